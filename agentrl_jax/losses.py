@@ -1,0 +1,249 @@
+"""Token-level RL losses: log-probs, clipped surrogate, aggregation, KL, entropy.
+
+Pure, jittable functions over [B, L] arrays aligned with the tokens (DESIGN.md
+convention 1): position i describes token i, so a loss mask from
+`trajectory.collate` is used as is and never shifted by hand. The forward
+pass lives in the train step, not here.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from agentrl_jax.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "LOSS_AGG_MODES", "KL_KINDS", "token_logprobs", "entropy", "policy_loss",
+    "aggregate_loss", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
+    "masked_whiten",
+]
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+# exp() of a log-ratio beyond this is inf in float32's neighbourhood; such a
+# ratio is far outside any clip range, so clamping changes no useful gradient.
+_MAX_LOG_RATIO = 20.0
+
+
+def _shift_right(x: jax.Array) -> jax.Array:
+  """[B, L] -> [B, L] with x[:, i - 1] at i and 0 at position 0."""
+  return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """log p(tokens[:, i] | tokens[:, :i]) at position i; position 0 gets 0.
+
+  The logits at position i - 1 predict token i; this function does that
+  shift once so that its output is aligned with `tokens` and every mask.
+  The log-softmax runs in float32 whatever the logits dtype: bf16 logsumexp
+  over a 150k vocabulary loses several bits. Only the [B, L] target logit
+  and logsumexp are formed; the float32 cast fuses into the reduction under
+  jit rather than materialising a second [B, L, V] array.
+
+  Args:
+    logits: [B, L, V] next-token logits, logits[:, i] predicts tokens[:, i+1].
+    tokens: [B, L] int token ids.
+  Returns:
+    [B, L] float32 log-probs aligned with tokens.
+  """
+  chex.assert_rank([logits, tokens], [3, 2])
+  chex.assert_equal_shape_prefix([logits, tokens], 2)
+  next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+  target = jnp.take_along_axis(logits, next_tokens[..., None], axis=-1)[..., 0]
+  lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+  return _shift_right(target.astype(jnp.float32) - lse)
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+  """Entropy of the distribution over token i, aligned with tokens.
+
+  H[:, i] = H(p(. | tokens[:, :i])), computed from logits[:, i - 1] in
+  float32; position 0 gets 0. Aligned like `token_logprobs`, so
+  `masked_mean(entropy(logits), loss_mask)` is the entropy at action tokens.
+
+  Args:
+    logits: [B, L, V].
+  Returns:
+    [B, L] float32.
+  """
+  chex.assert_rank(logits, 3)
+  logits = logits.astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return _shift_right(-jnp.sum(jnp.exp(logp) * logp, axis=-1))
+
+
+def _sequence_stats(x: jax.Array, loss_mask: jax.Array,
+                    seq_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """Per-sequence (masked sum, action-token count); sequence = row or seq id."""
+  if seq_ids is None:
+    return masked_sum(x, loss_mask, axis=-1), jnp.sum(loss_mask, axis=-1)
+  # A packed row holds several trajectories: group by seq id instead. There
+  # are at most B * L distinct ids, so that bound keeps the shape static.
+  chex.assert_equal_shape([x, seq_ids])
+  n = x.size
+  ids = jnp.where(seq_ids >= 0, seq_ids, 0).reshape(-1)
+  contrib = jnp.where(loss_mask > 0, x * loss_mask, 0.0).reshape(-1)
+  sums = jax.ops.segment_sum(contrib, ids, num_segments=n)
+  return sums, jax.ops.segment_sum(loss_mask.reshape(-1), ids, num_segments=n)
+
+
+def aggregate_loss(per_token: jax.Array, loss_mask: jax.Array, mode: str, *,
+                   norm_constant: float | None = None,
+                   seq_ids: jax.Array | None = None) -> jax.Array:
+  """Reduces a per-token loss to a scalar over the action tokens.
+
+  With m the loss mask, S the set of sequences with at least one action
+  token, and n_s the action-token count of sequence s:
+
+  - "token-mean": sum_i m_i x_i / sum_i m_i. Every action token weighs the
+    same, so long trajectories weigh more (DAPO, Yu et al. 2025; veRL's
+    default).
+  - "seq-mean-token-mean": 1/|S| sum_s (1/n_s) sum_{i in s} m_i x_i. Every
+    trajectory weighs the same whatever its length (original GRPO, Shao et
+    al. 2024; the reference text's "safe default").
+  - "seq-mean-token-sum": 1/|S| sum_s sum_{i in s} m_i x_i.
+  - "seq-mean-token-sum-norm": 1/|S| sum_s sum_{i in s} m_i x_i / C with a
+    fixed constant C (Dr.GRPO, Liu et al. 2025), default C = L, the padded
+    row length. L changes with the length bucket, so pass a fixed
+    `norm_constant` (e.g. the token budget) to keep the loss scale constant.
+
+  An all-zero mask gives 0 in every mode, with a zero (not NaN) gradient.
+
+  Args:
+    per_token: [B, L] loss per token, aligned with tokens.
+    loss_mask: [B, L] 1 on action tokens.
+    mode: one of LOSS_AGG_MODES.
+    norm_constant: C for "seq-mean-token-sum-norm".
+    seq_ids: [B, L] trajectory id of each token (`TokenBatch.seq_ids`) for
+      packed rows; None means each row is one sequence.
+  Returns:
+    scalar float32.
+  """
+  if mode not in LOSS_AGG_MODES:
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: {LOSS_AGG_MODES}")
+  chex.assert_rank([per_token, loss_mask], 2)
+  chex.assert_equal_shape([per_token, loss_mask])
+  per_token = per_token.astype(jnp.float32)
+  loss_mask = loss_mask.astype(jnp.float32)
+  if seq_ids is not None:  # padding (seq id -1) never counts, in any mode
+    loss_mask = jnp.where(seq_ids >= 0, loss_mask, 0.0)
+  if mode == "token-mean":
+    return masked_mean(per_token, loss_mask)
+  sums, counts = _sequence_stats(per_token, loss_mask, seq_ids)
+  present = (counts > 0).astype(jnp.float32)
+  if mode == "seq-mean-token-mean":
+    per_seq = sums / jnp.maximum(counts, 1.0)
+  elif mode == "seq-mean-token-sum":
+    per_seq = sums
+  else:
+    constant = per_token.shape[-1] if norm_constant is None else norm_constant
+    per_seq = sums / constant
+  return masked_mean(per_seq, present)
+
+
+def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
+                advantages: jax.Array, loss_mask: jax.Array, *,
+                clip_low: float = 0.2, clip_high: float = 0.2,
+                dual_clip: float | None = None, agg: str = "token-mean",
+                is_weights: jax.Array | None = None,
+                norm_constant: float | None = None,
+                seq_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO/GRPO clipped surrogate over action tokens.
+
+  Per token, with rho = exp(logp - old_logp):
+    l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A)
+  (Schulman et al. 2017; asymmetric "clip-higher" bounds from DAPO). With
+  `dual_clip = c > 1`, tokens with A < 0 are further bounded by l <= -c A
+  (Ye et al. 2020), so a huge ratio on a bad action cannot blow up. Optional
+  `is_weights` multiply l per token (treated as constants), e.g. truncated
+  importance weights correcting the sampler-vs-trainer mismatch. Then
+  `aggregate_loss(l, loss_mask, agg)`.
+
+  Args:
+    logprobs: [B, L] log pi_theta(token_i | tokens_<i), aligned with tokens.
+    old_logprobs: [B, L] behaviour log-probs recorded at rollout.
+    advantages: [B, L] per-token advantages (0 off-action).
+    loss_mask: [B, L] 1 on action tokens.
+    clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+    dual_clip: the constant c > 1, or None.
+    agg: aggregation mode, see `aggregate_loss`.
+    is_weights: [B, L] optional per-token weights.
+    norm_constant, seq_ids: passed to `aggregate_loss`.
+  Returns:
+    (loss scalar, metrics) with metrics token-means over action tokens:
+    clip_frac_upper / clip_frac_lower (fraction where the upper / lower clip
+    binds and zeroes the gradient), dual_clip_frac, approx_kl (k3 estimate of
+    KL(old || new)), ratio_mean, ratio_max.
+  """
+  chex.assert_rank([logprobs, old_logprobs, advantages, loss_mask], 2)
+  chex.assert_equal_shape([logprobs, old_logprobs, advantages, loss_mask])
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+  mask = loss_mask.astype(jnp.float32)
+  adv = advantages.astype(jnp.float32)
+  # Off-action positions get log-ratio 0: their old_logprobs are 0 by
+  # convention, and exp(logp - 0) must not produce inf * 0 = NaN there.
+  log_ratio = jnp.where(mask > 0, logprobs.astype(jnp.float32)
+                        - old_logprobs.astype(jnp.float32), 0.0)
+  log_ratio = jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  per_token = jnp.maximum(-ratio * adv, -clipped_ratio * adv)
+  if dual_clip is not None:
+    per_token = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv),
+                          per_token)
+  if is_weights is not None:
+    chex.assert_equal_shape([is_weights, logprobs])
+    per_token = per_token * jax.lax.stop_gradient(is_weights)
+  loss = aggregate_loss(per_token, mask, agg, norm_constant=norm_constant,
+                        seq_ids=seq_ids)
+
+  ratio, log_ratio = jax.lax.stop_gradient((ratio, log_ratio))
+  upper = (ratio > 1.0 + clip_high) & (adv > 0)
+  lower = (ratio < 1.0 - clip_low) & (adv < 0)
+  dual = ((adv < 0) & (ratio > dual_clip) if dual_clip is not None
+          else jnp.zeros_like(upper))
+  metrics = {
+      "clip_frac_upper": masked_mean(upper.astype(jnp.float32), mask),
+      "clip_frac_lower": masked_mean(lower.astype(jnp.float32), mask),
+      "dual_clip_frac": masked_mean(dual.astype(jnp.float32), mask),
+      # k3 with samples from the old policy: r - 1 - log r >= 0.
+      "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
+      "ratio_mean": masked_mean(ratio, mask),
+      "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
+  }
+  return loss, metrics
+
+
+def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array,
+               kind: str = "k3") -> jax.Array:
+  """Per-token estimate of KL(pi_theta || pi_ref) at the sampled tokens.
+
+  With d = ref_logprobs - logprobs = log(pi_ref / pi_theta) (Schulman,
+  "Approximating KL divergence", 2020):
+    k1 = -d                   unbiased, can be negative, high variance
+    k2 = d^2 / 2              biased, low variance, >= 0
+    k3 = exp(d) - d - 1       unbiased, low variance, >= 0 (GRPO's choice)
+  d is clamped to +-20 before exp, as veRL does, to keep k3 finite.
+
+  Args:
+    logprobs: [B, L] current policy log-probs aligned with tokens.
+    ref_logprobs: [B, L] reference policy log-probs, same alignment.
+    kind: one of KL_KINDS.
+  Returns:
+    [B, L] float32; mask and aggregate it like any per-token loss.
+  """
+  if kind not in KL_KINDS:
+    raise ValueError(f"unknown KL estimator {kind!r}; known: {KL_KINDS}")
+  chex.assert_equal_shape([logprobs, ref_logprobs])
+  d = ref_logprobs.astype(jnp.float32) - logprobs.astype(jnp.float32)
+  if kind == "k1":
+    return -d
+  if kind == "k2":
+    return 0.5 * jnp.square(d)
+  d = jnp.clip(d, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  return jnp.exp(d) - d - 1.0

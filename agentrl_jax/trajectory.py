@@ -1,0 +1,438 @@
+"""Trajectories: who authored which token, and how they become a padded batch.
+
+A trajectory is a list of `Segment`s, each a run of token ids tagged with the
+`Role` that authored it. Only ASSISTANT tokens (sampled by the policy,
+including the stop sequence it emitted) are actions and get a loss; SYSTEM
+(task prompt) and OBSERVATION (environment output plus any template tokens the
+rollout wraps around it, such as the next assistant header) are context.
+
+Alignment convention (DESIGN.md, "Conventions"): every per-token array is
+aligned with the token ids, so `loss_mask[i]`, `logprobs[i]`, `turn_index[i]`
+describe `ids[i]`. `losses.token_logprobs` returns log p(ids[i] | ids[:i]) at
+position i, so nothing here or downstream shifts a mask by hand.
+
+Token ids are the ones the sampler consumed and produced; nothing in this
+module decodes or re-encodes text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import numpy as np
+
+DEFAULT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class Role(enum.Enum):
+  SYSTEM = "system"  # task prompt, tool schemas: context, no loss
+  ASSISTANT = "assistant"  # sampled by the policy: the only tokens with a loss
+  OBSERVATION = "observation"  # environment output + template tokens: no loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A run of tokens authored by one role.
+
+  token_ids: [n] token ids, exactly as the sampler saw or produced them.
+  logprobs: [n] rollout log-probs of the sampled tokens (ASSISTANT only;
+    None for SYSTEM/OBSERVATION, and for ASSISTANT tokens that were not
+    sampled, e.g. expert demonstrations for SFT).
+  """
+
+  role: Role
+  token_ids: tuple[int, ...]
+  logprobs: tuple[float, ...] | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.role, Role):
+      raise TypeError(f"Segment.role must be a Role, got {self.role!r}")
+    ids = tuple(int(t) for t in np.asarray(self.token_ids).reshape(-1))
+    if any(t < 0 or t > _INT32_MAX for t in ids):
+      raise ValueError(f"token ids must be in [0, 2**31), got {ids}")
+    object.__setattr__(self, "token_ids", ids)
+    if self.logprobs is None:
+      return
+    if self.role != Role.ASSISTANT:
+      raise ValueError(
+          f"only ASSISTANT segments carry logprobs; a {self.role.name} "
+          "segment was never sampled from the policy")
+    lps = tuple(float(x) for x in np.asarray(self.logprobs).reshape(-1))
+    if len(lps) != len(ids):
+      raise ValueError(
+          f"ASSISTANT segment has {len(ids)} tokens but {len(lps)} logprobs; "
+          "they must be aligned one to one")
+    if not all(math.isfinite(x) for x in lps):
+      raise ValueError(f"ASSISTANT logprobs must be finite, got {lps}")
+    if any(x > 1e-4 for x in lps):
+      raise ValueError(
+          "ASSISTANT logprobs must be <= 0 (log-probabilities, not "
+          f"probabilities), got max {max(lps)}")
+    object.__setattr__(self, "logprobs", lps)
+
+  def __len__(self) -> int:
+    return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatTrajectory:
+  """A trajectory's per-token arrays, all [L] and aligned with `ids`."""
+
+  ids: np.ndarray  # [L] int32
+  loss_mask: np.ndarray  # [L] float32, 1 on ASSISTANT tokens
+  turn_index: np.ndarray  # [L] int32, k on the k-th ASSISTANT segment, else -1
+  logprobs: np.ndarray  # [L] float32, rollout logprobs on ASSISTANT tokens, else 0
+  has_logprobs: np.ndarray  # [L] bool, True where `logprobs` was recorded
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One episode as the rollout recorded it.
+
+  segments: the token runs in order.
+  reward: the trajectory-level (terminal/outcome) reward.
+  turn_rewards: optional per-turn rewards, one per ASSISTANT segment, in order
+    (`turn_rewards[k]` is the reward for the k-th action).
+  terminated: the task really ended (success or failure).
+  truncated: a budget (turns, tokens, time) ran out first. Never both.
+  metadata: free-form (task id, reward parts, n_turns, ...).
+  """
+
+  segments: list[Segment] = dataclasses.field(default_factory=list)
+  reward: float = 0.0
+  turn_rewards: list[float] | None = None
+  terminated: bool = False
+  truncated: bool = False
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_turns(self) -> int:
+    """Number of ASSISTANT segments (actions)."""
+    return sum(s.role == Role.ASSISTANT for s in self.segments)
+
+  def __len__(self) -> int:
+    return sum(len(s) for s in self.segments)
+
+  def validate(self) -> None:
+    """Raises ValueError if the trajectory cannot be trained on as is."""
+    if len(self) == 0:
+      raise ValueError("empty trajectory: it has no tokens")
+    if not math.isfinite(self.reward):
+      raise ValueError(f"trajectory reward must be finite, got {self.reward}")
+    if self.terminated and self.truncated:
+      raise ValueError(
+          "a trajectory is either terminated (the task ended) or truncated "
+          "(a budget ran out), not both")
+    if self.turn_rewards is not None:
+      if len(self.turn_rewards) != self.num_turns:
+        raise ValueError(
+            f"turn_rewards has {len(self.turn_rewards)} entries but the "
+            f"trajectory has {self.num_turns} ASSISTANT segments")
+      if not all(math.isfinite(r) for r in self.turn_rewards):
+        raise ValueError(f"turn rewards must be finite, got {self.turn_rewards}")
+
+  def flatten_all(self) -> FlatTrajectory:
+    """All per-token arrays of the concatenated segments, aligned with ids."""
+    self.validate()
+    ids, mask, turn, lps, has_lp = [], [], [], [], []
+    k = 0
+    for seg in self.segments:
+      n = len(seg)
+      ids.append(np.asarray(seg.token_ids, np.int32).reshape(n))
+      is_action = seg.role == Role.ASSISTANT
+      mask.append(np.full(n, float(is_action), np.float32))
+      turn.append(np.full(n, k if is_action else -1, np.int32))
+      has = seg.logprobs is not None
+      lps.append(np.asarray(seg.logprobs, np.float32) if has
+                 else np.zeros(n, np.float32))
+      has_lp.append(np.full(n, has, bool))
+      k += is_action
+    cat = np.concatenate
+    return FlatTrajectory(cat(ids), cat(mask), cat(turn), cat(lps), cat(has_lp))
+
+  def flatten(self) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (ids int32[L], loss_mask float32[L]); mask is 1 on ASSISTANT."""
+    flat = self.flatten_all()
+    return flat.ids, flat.loss_mask
+
+  # -- Step-level view (Agent-R1 style records) ------------------------------
+
+  def to_steps(self) -> tuple[tuple[int, ...], list[Step]]:
+    """Splits into (prompt_ids, one Step per ASSISTANT segment).
+
+    Requires the canonical layout the rollout produces: leading SYSTEM
+    segment(s), then each ASSISTANT segment followed by at most one
+    OBSERVATION segment. `Trajectory.from_steps` inverts this exactly.
+    """
+    self.validate()
+    segs = list(self.segments)
+    prompt: list[int] = []
+    while segs and segs[0].role == Role.SYSTEM:
+      prompt.extend(segs.pop(0).token_ids)
+    steps: list[Step] = []
+    rewards = self.turn_rewards
+    while segs:
+      act = segs.pop(0)
+      if act.role != Role.ASSISTANT:
+        raise ValueError(
+            f"to_steps needs SYSTEM* (ASSISTANT OBSERVATION?)*; found "
+            f"{act.role.name} where an ASSISTANT segment was expected")
+      obs: tuple[int, ...] = ()
+      if segs and segs[0].role == Role.OBSERVATION:
+        obs = segs.pop(0).token_ids
+      k = len(steps)
+      steps.append(Step(
+          action_ids=act.token_ids, action_logprobs=act.logprobs,
+          observation_ids=obs,
+          reward=None if rewards is None else rewards[k],
+          is_terminal=False))
+    if steps and (self.terminated or self.truncated):
+      steps[-1] = dataclasses.replace(steps[-1], is_terminal=True)
+    return tuple(prompt), steps
+
+  @classmethod
+  def from_steps(cls, prompt_ids: Sequence[int], steps: Sequence[Step], *,
+                 reward: float, terminated: bool, truncated: bool,
+                 metadata: dict[str, Any] | None = None) -> Trajectory:
+    """Builds the trajectory that `to_steps` splits; see there."""
+    if any(s.is_terminal for s in steps[:-1]):
+      raise ValueError("only the last step can be terminal")
+    ended = bool(steps) and steps[-1].is_terminal
+    if ended != (terminated or truncated):
+      raise ValueError(
+          f"last step is_terminal={ended} disagrees with terminated="
+          f"{terminated}, truncated={truncated}")
+    has_reward = [s.reward is not None for s in steps]
+    if any(has_reward) and not all(has_reward):
+      raise ValueError("either every step has a reward or none has")
+    segments = [Segment(Role.SYSTEM, tuple(prompt_ids))] if prompt_ids else []
+    for s in steps:
+      segments.append(Segment(Role.ASSISTANT, s.action_ids, s.action_logprobs))
+      if s.observation_ids:
+        segments.append(Segment(Role.OBSERVATION, s.observation_ids))
+    traj = cls(
+        segments=segments, reward=reward,
+        turn_rewards=[s.reward for s in steps] if all(has_reward) and steps
+        else None,
+        terminated=terminated, truncated=truncated,
+        metadata=dict(metadata or {}))
+    traj.validate()
+    return traj
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One turn: the action the policy sampled and what came back.
+
+  action_ids: the ASSISTANT token ids (including the emitted stop sequence).
+  action_logprobs: their rollout log-probs, or None (not sampled).
+  observation_ids: the OBSERVATION tokens appended after the action (tool
+    output with its wrapper and the next assistant header); may be empty.
+  reward: the turn's reward, or None when the trajectory has no turn rewards.
+  is_terminal: the episode ended after this step (terminated or truncated).
+  """
+
+  action_ids: tuple[int, ...]
+  action_logprobs: tuple[float, ...] | None
+  observation_ids: tuple[int, ...]
+  reward: float | None
+  is_terminal: bool
+
+
+def truncate_to(traj: Trajectory, max_len: int) -> Trajectory:
+  """Returns a copy cut to its first `max_len` tokens, explicitly marked.
+
+  Used when a trajectory is longer than the largest length bucket. The copy
+  is `truncated=True`, `terminated=False` (the context budget ran out, the
+  task did not end), with `metadata["length_truncated"] = True` and the
+  original length in `metadata["original_length"]`. Turn rewards of actions
+  that were cut away entirely are dropped with them.
+  """
+  if max_len <= 0:
+    raise ValueError(f"max_len must be positive, got {max_len}")
+  if len(traj) <= max_len:
+    return traj
+  segments, left = [], max_len
+  for seg in traj.segments:
+    if left == 0:
+      break
+    n = min(left, len(seg))
+    segments.append(Segment(
+        seg.role, seg.token_ids[:n],
+        None if seg.logprobs is None else seg.logprobs[:n]))
+    left -= n
+  kept_turns = sum(s.role == Role.ASSISTANT for s in segments)
+  return Trajectory(
+      segments=segments, reward=traj.reward,
+      turn_rewards=None if traj.turn_rewards is None
+      else list(traj.turn_rewards[:kept_turns]),
+      terminated=False, truncated=True,
+      metadata={**traj.metadata, "length_truncated": True,
+                "original_length": len(traj)})
+
+
+@flax.struct.dataclass
+class TokenBatch:
+  """Padded, bucketed per-token arrays for one jitted train step.
+
+  All fields are [B, L] and aligned with `tokens` (DESIGN.md convention 1).
+  `collate` returns host (numpy) arrays; place them with `jax.device_put`
+  (and a sharding) at the jit boundary.
+  """
+
+  tokens: jax.Array  # [B, L] int32, pad_id on padding
+  loss_mask: jax.Array  # [B, L] float32, 1 on ASSISTANT tokens
+  old_logprobs: jax.Array  # [B, L] float32, rollout logprobs (0 off-action)
+  advantages: jax.Array  # [B, L] float32, 0 until credit assignment paints it
+  turn_index: jax.Array  # [B, L] int32, k on the k-th action of its trajectory, else -1
+  seq_ids: jax.Array  # [B, L] int32, index into collate's input list; -1 on padding
+  positions: jax.Array  # [B, L] int32, position within its own trajectory
+
+  @property
+  def padding_mask(self) -> jax.Array:
+    """[B, L] bool, True on real (non-padding) tokens."""
+    return self.seq_ids >= 0
+
+
+def attention_mask(seq_ids: jax.Array) -> jax.Array:
+  """Causal mask that never crosses trajectories (packed rows) or padding.
+
+  seq_ids: [B, L] int32 as in `TokenBatch.seq_ids` (-1 on padding).
+  Returns [B, L, L] bool: entry (b, i, j) is True iff token i may attend to
+  token j, i.e. j <= i and both belong to the same trajectory. Padding
+  queries attend to nothing (their rows are all False).
+  """
+  length = seq_ids.shape[-1]
+  causal = np.tril(np.ones((length, length), bool))
+  same = seq_ids[..., :, None] == seq_ids[..., None, :]
+  valid = (seq_ids >= 0)[..., :, None]
+  return same & valid & causal
+
+
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+  """Smallest bucket >= length; ValueError if none is large enough."""
+  fits = [b for b in sorted(buckets) if b >= length]
+  if not fits:
+    raise ValueError(
+        f"a trajectory of {length} tokens is longer than the largest bucket "
+        f"({max(buckets)}); add a bucket or cut it explicitly with "
+        "trajectory.truncate_to(traj, max_len)")
+  return fits[0]
+
+
+def _pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+  """First-fit-decreasing bin packing of trajectory indices into rows."""
+  rows: list[list[int]] = []
+  space: list[int] = []
+  for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for r, free in enumerate(space):
+      if lengths[i] <= free:
+        rows[r].append(i)
+        space[r] -= lengths[i]
+        break
+    else:
+      rows.append([i])
+      space.append(row_len - lengths[i])
+  for row in rows:  # keep input order inside a row: easier to read and debug
+    row.sort()
+  return rows
+
+
+def collate(trajectories: Sequence[Trajectory], *,
+            buckets: Sequence[int] = DEFAULT_BUCKETS, pack: bool = False,
+            num_rows: int | None = None, pad_id: int = 0,
+            require_logprobs: bool = True) -> TokenBatch:
+  """Flattens trajectories into one padded `TokenBatch`.
+
+  Args:
+    trajectories: N trajectories. Trajectory i's tokens get `seq_ids == i`,
+      which is how per-trajectory or per-turn advantages are painted on later
+      (`advantages.broadcast_trajectory_values`, `paint_turn_values`).
+    buckets: allowed row lengths L; the smallest one that fits the longest
+      trajectory is used, so the jitted step sees few shapes. A trajectory
+      longer than every bucket is an error (use `truncate_to` explicitly).
+    pack: put several trajectories into one row (first-fit decreasing) when
+      they fit; `seq_ids` keeps attention and per-sequence loss aggregation
+      apart, `positions` restart at 0 for each trajectory.
+    num_rows: pad the batch with empty rows up to exactly this many rows (a
+      static B), or raise if more are needed. None: as many as needed.
+    pad_id: token id used on padding (masked everywhere).
+    require_logprobs: raise if an ASSISTANT segment has no rollout logprobs.
+      Pass False for teacher-forced data (SFT); old_logprobs is 0 there.
+
+  Returns:
+    A TokenBatch of numpy arrays, [B, L] each; `advantages` is all zeros.
+  """
+  if not trajectories:
+    raise ValueError("collate needs at least one trajectory")
+  flats = []
+  for i, traj in enumerate(trajectories):
+    try:
+      flat = traj.flatten_all()
+    except ValueError as e:
+      raise ValueError(f"trajectory {i}: {e}") from None
+    if require_logprobs and not flat.has_logprobs[flat.loss_mask > 0].all():
+      raise ValueError(
+          f"trajectory {i} has ASSISTANT tokens without rollout logprobs; "
+          "pass require_logprobs=False for teacher-forced (SFT) data")
+    flats.append(flat)
+  lengths = [len(f.ids) for f in flats]
+  row_len = bucket_length(max(lengths), buckets)
+  rows = _pack_rows(lengths, row_len) if pack else [[i] for i in range(len(flats))]
+  n_rows = len(rows) if num_rows is None else num_rows
+  if len(rows) > n_rows:
+    raise ValueError(f"{len(rows)} rows are needed but num_rows={num_rows}")
+
+  shape = (n_rows, row_len)
+  tokens = np.full(shape, pad_id, np.int32)
+  loss_mask = np.zeros(shape, np.float32)
+  old_logprobs = np.zeros(shape, np.float32)
+  turn_index = np.full(shape, -1, np.int32)
+  seq_ids = np.full(shape, -1, np.int32)
+  positions = np.zeros(shape, np.int32)
+  for r, row in enumerate(rows):
+    start = 0
+    for i in row:
+      f, end = flats[i], start + lengths[i]
+      tokens[r, start:end] = f.ids
+      loss_mask[r, start:end] = f.loss_mask
+      old_logprobs[r, start:end] = f.logprobs
+      turn_index[r, start:end] = f.turn_index
+      seq_ids[r, start:end] = i
+      positions[r, start:end] = np.arange(lengths[i])
+      start = end
+  return TokenBatch(
+      tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
+      advantages=np.zeros(shape, np.float32), turn_index=turn_index,
+      seq_ids=seq_ids, positions=positions)
+
+
+def turn_arrays(trajectories: Sequence[Trajectory], num_turns: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Stacks per-turn rewards for the turn-level credit assignment functions.
+
+  Returns (turn_rewards float32[N, T], turn_mask float32[N, T]), where T is
+  `num_turns` (pass a fixed value so the jitted estimators see one shape) or
+  the largest number of turns. Trajectories without `turn_rewards` get
+  `reward` on their last turn (a sparse, terminal-only reward).
+  """
+  counts = [t.num_turns for t in trajectories]
+  width = max(counts) if num_turns is None else num_turns
+  if max(counts) > width:
+    raise ValueError(f"a trajectory has {max(counts)} turns > num_turns={width}")
+  rewards = np.zeros((len(trajectories), width), np.float32)
+  mask = np.zeros((len(trajectories), width), np.float32)
+  for i, (traj, n) in enumerate(zip(trajectories, counts)):
+    traj.validate()
+    mask[i, :n] = 1.0
+    if traj.turn_rewards is not None:
+      rewards[i, :n] = traj.turn_rewards
+    elif n:
+      rewards[i, n - 1] = traj.reward
+  return rewards, mask
