@@ -55,6 +55,7 @@ def grpo_advantages(rewards: jax.Array, group_ids: jax.Array, *,
     raise ValueError(f"unknown scale {scale!r}; known: {ADVANTAGE_SCALES}")
   chex.assert_rank([rewards, group_ids], 1)
   chex.assert_equal_shape([rewards, group_ids])
+  chex.assert_type(group_ids, int)
   rewards = rewards.astype(jnp.float32)
   same = _same_group(group_ids)
   count = same.sum(-1)
@@ -252,6 +253,7 @@ def paint_turn_values(turn_values: jax.Array, seq_ids: jax.Array,
   """
   chex.assert_rank([turn_values, seq_ids, turn_index], 2)
   chex.assert_equal_shape([seq_ids, turn_index])
+  chex.assert_type([seq_ids, turn_index], int)
   on = (seq_ids >= 0) & (turn_index >= 0)
   # Out-of-range indices (T too small for a trajectory's turns) read NaN
   # instead of jnp's default clamp, so a mismatch is loud, never silent.

@@ -51,6 +51,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """
   chex.assert_rank([logits, tokens], [3, 2])
   chex.assert_equal_shape_prefix([logits, tokens], 2)
+  chex.assert_type([logits, tokens], [float, int])
   next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
   target = jnp.take_along_axis(logits, next_tokens[..., None], axis=-1)[..., 0]
   lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
