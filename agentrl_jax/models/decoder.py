@@ -1,0 +1,252 @@
+"""Flax NNX decoder for the Llama / Qwen2 family, with an optional KV cache.
+
+One forward serves the trainer and the sampler, so both compute the same
+function:
+- training: `model(tokens, positions, seq_ids)`; attention is causal and
+  never crosses `seq_ids` (packed rows, padding = -1), as in
+  `trajectory.attention_mask`;
+- sampling: `model.hidden_states(tokens, positions, cache=cache)` writes the
+  new keys/values into the cache at `positions` and attends to every cached
+  key at a position <= the query's.
+
+Numerics follow the transformers implementation: RMSNorm and the attention
+softmax in float32 whatever the activation dtype, RoPE in the "rotate half"
+layout, grouped-query attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import flax.struct
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.models.config import ModelConfig
+from agentrl_jax.trajectory import attention_mask
+
+_MASKED = float(np.finfo(np.float32).min)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer for S positions of B sequences (slots).
+
+  A slot's positions must be written contiguously from 0: a query at
+  position p attends to every cached position <= p, so whatever a released
+  slot left beyond its new length is never read.
+  """
+
+  k: tuple[jax.Array, ...]  # per layer [B, S, KV, D]
+  v: tuple[jax.Array, ...]  # per layer [B, S, KV, D]
+
+  @classmethod
+  def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> KVCache:
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    make = lambda: tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
+    return cls(k=make(), v=make())
+
+  @property
+  def length(self) -> int:
+    return self.k[0].shape[1]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """[D/2] inverse frequencies, with Llama-3 or linear scaling applied."""
+  d = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  if cfg.rope_type == "linear":
+    inv = inv / cfg.rope_factor
+  elif cfg.rope_type == "llama3":
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band
+    # in between interpolated (Llama 3.1's `_compute_llama3_parameters`).
+    old = cfg.rope_original_max_positions
+    low_wavelen = old / cfg.rope_low_freq_factor
+    high_wavelen = old / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+    smooth = ((old / wavelen - cfg.rope_low_freq_factor)
+              / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv = np.where(medium, smoothed, scaled)
+  return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates x [B, L, H, D] by positions [B, L] ("rotate half" layout)."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+          ).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype, param_dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps, self.dtype = eps, dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    # Normalise in float32 (a bf16 mean of squares loses the small entries).
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+    return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs):
+  return nnx.Linear(
+      din, dout, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, hd = cfg.hidden_size, cfg.head_dim
+    self.q_proj = _linear(cfg, d, cfg.num_heads * hd, cfg.qkv_bias, rngs)
+    self.k_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
+    self.v_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
+    self.o_proj = _linear(cfg, cfg.num_heads * hd, d, cfg.o_bias, rngs)
+
+  def __call__(self, x, positions, mask, cache_kv):
+    """x [B, L, d]; mask [B, L, S] bool; cache_kv None or ([B,S,KV,D], [B,S,KV,D])."""
+    cfg = self.cfg
+    b, l, _ = x.shape
+    kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    inv_freq = rope_inv_freq(cfg)  # numpy, a trace-time constant
+    q = apply_rope(self.q_proj(x).reshape(b, l, cfg.num_heads, hd), positions,
+                   inv_freq)
+    k = apply_rope(self.k_proj(x).reshape(b, l, kv, hd), positions, inv_freq)
+    v = self.v_proj(x).reshape(b, l, kv, hd)
+    if cache_kv is not None:
+      # Write the new entries at their positions (positions >= S are
+      # dropped: that is how callers park padding tokens), then attend to
+      # the whole cache.
+      rows = jnp.arange(b)[:, None]
+      k = cache_kv[0].at[rows, positions].set(k.astype(cache_kv[0].dtype), mode="drop")
+      v = cache_kv[1].at[rows, positions].set(v.astype(cache_kv[1].dtype), mode="drop")
+      cache_kv = (k, v)
+    q = q.reshape(b, l, kv, g, hd)
+    # Scores and softmax in float32 (bf16 exp/sum over long contexts drifts).
+    scores = jnp.einsum("blkgd,bskd->bkgls", q, k,
+                        preferred_element_type=jnp.float32) / math.sqrt(hd)
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, v).reshape(b, l, -1)
+    return self.o_proj(out), cache_kv
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _linear(cfg, d, f, False, rngs)
+    self.up_proj = _linear(cfg, d, f, False, rngs)
+    self.down_proj = _linear(cfg, f, d, False, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
+                           cfg.param_dtype)
+    self.input_layernorm = norm()
+    self.self_attn = Attention(cfg, rngs)
+    self.post_attention_layernorm = norm()
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, mask, cache_kv):
+    h, cache_kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv)
+    x = x + h
+    return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
+
+
+def _run_layer(layer, x, positions, mask, cache_kv):
+  return layer(x, positions, mask, cache_kv)
+
+
+_run_layer_remat = nnx.remat(_run_layer)
+
+
+class Decoder(nnx.Module):
+  """Llama/Qwen2 decoder: tokens [B, L] -> logits [B, L, V] (+ values [B, L])."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
+    self.lm_head = (None if cfg.tie_word_embeddings
+                    else _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs))
+    self.value_head = (_linear(cfg, cfg.hidden_size, 1, True, rngs)
+                       if cfg.value_head else None)
+
+  def hidden_states(self, tokens: jax.Array, positions: jax.Array, *,
+                    seq_ids: jax.Array | None = None,
+                    cache: KVCache | None = None
+                    ) -> tuple[jax.Array, KVCache | None]:
+    """Final-normed hidden states [B, L, d], and the updated cache.
+
+    Args:
+      tokens: [B, L] int token ids.
+      positions: [B, L] int position of each token in its own sequence.
+      seq_ids: [B, L] int sequence id (-1 on padding); training only. None
+        means one sequence per row.
+      cache: a KVCache to write into and attend over (sampling), or None.
+    """
+    chex.assert_rank([tokens, positions], 2)
+    chex.assert_equal_shape([tokens, positions])
+    if cache is None:
+      if seq_ids is None:
+        seq_ids = jnp.zeros(tokens.shape, jnp.int32)
+      mask = attention_mask(seq_ids)
+    else:
+      if seq_ids is not None:
+        raise ValueError("seq_ids is for training batches; a cache has slots")
+      key_positions = jnp.arange(cache.length)
+      mask = key_positions[None, None, :] <= positions[:, :, None]
+    x = self.embed_tokens(tokens)
+    new_k, new_v = [], []
+    run = _run_layer_remat if self.cfg.remat else _run_layer
+    for i, layer in enumerate(self.layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      x, layer_cache = run(layer, x, positions, mask, layer_cache)
+      if layer_cache is not None:
+        new_k.append(layer_cache[0])
+        new_v.append(layer_cache[1])
+    new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+    return self.norm(x), new_cache
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """[..., d] -> [..., V] in the activation dtype."""
+    if self.lm_head is None:
+      return self.embed_tokens.attend(hidden)
+    return self.lm_head(hidden)
+
+  def values(self, hidden: jax.Array) -> jax.Array:
+    """[..., d] -> [...] float32 scalar values (needs cfg.value_head)."""
+    if self.value_head is None:
+      raise ValueError("this model has no value head; build it with value_head=True")
+    return self.value_head(hidden)[..., 0].astype(jnp.float32)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               seq_ids: jax.Array | None = None) -> jax.Array:
+    """Training forward: logits [B, L, V]; positions default to 0..L-1."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    hidden, _ = self.hidden_states(tokens, positions, seq_ids=seq_ids)
+    return self.logits(hidden)

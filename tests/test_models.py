@@ -1,0 +1,239 @@
+"""The NNX decoder against transformers' PyTorch Llama/Qwen2 on the same weights."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+
+from agentrl_jax import losses, models
+from agentrl_jax.models import KVCache
+
+
+def _hf_config(arch):
+  common = dict(vocab_size=97, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, initializer_range=0.15)
+  if arch == "llama":  # Llama-3 RoPE scaling, untied head
+    return transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0})
+  return transformers.Qwen2Config(**common, tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default",
+                                                   "rope_theta": 1e6})
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request, tmp_path_factory):
+  """(arch, torch model, local checkpoint dir) for a tiny random model."""
+  torch.manual_seed(0)
+  cls = {"llama": transformers.LlamaForCausalLM,
+         "qwen2": transformers.Qwen2ForCausalLM}[request.param]
+  model = cls(_hf_config(request.param)).eval()
+  if request.param == "qwen2":  # HF zero-inits biases: make them matter
+    with torch.no_grad():
+      for name, p in model.named_parameters():
+        if name.endswith("bias"):
+          p.normal_(0, 0.5)
+  path = tmp_path_factory.mktemp(request.param)
+  model.save_pretrained(path)
+  return request.param, model, path
+
+
+def _batch():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 97, (3, 24))
+  lengths = np.array([24, 17, 9])
+  attn = (np.arange(24)[None] < lengths[:, None]).astype(np.int64)
+  return tokens, attn
+
+
+def _torch_logits(model, tokens, attn):
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(tokens),
+                 attention_mask=torch.tensor(attn)).logits.numpy()
+
+
+def test_logits_match_transformers_with_padding(checkpoint):
+  arch, tmodel, path = checkpoint
+  model = models.from_pretrained(path)
+  assert model.cfg.arch == arch
+  tokens, attn = _batch()
+  want = _torch_logits(tmodel, tokens, attn)
+  got = np.asarray(model(jnp.asarray(tokens), None, jnp.asarray(np.where(attn > 0, 0, -1))))
+  assert np.abs(want).max() > 1.0, "logits too small to make the comparison bite"
+  np.testing.assert_array_less(np.abs(got - want)[attn > 0].max(), 1e-4)
+
+
+def test_packed_row_equals_separate_rows(checkpoint):
+  _, _, path = checkpoint
+  model = models.from_pretrained(path)
+  tokens, _ = _batch()
+  a, b = tokens[0, :10], tokens[1, :14]
+  separate = [np.asarray(model(jnp.asarray(x[None])))[0] for x in (a, b)]
+  packed = jnp.asarray(np.concatenate([a, b])[None])
+  positions = jnp.asarray(np.concatenate([np.arange(10), np.arange(14)])[None])
+  seq_ids = jnp.asarray(np.repeat([0, 1], [10, 14])[None])
+  got = np.asarray(model(packed, positions, seq_ids))[0]
+  np.testing.assert_allclose(got[:10], separate[0], atol=2e-5)
+  np.testing.assert_allclose(got[10:], separate[1], atol=2e-5)
+
+
+def test_kv_cache_forward_equals_full_forward_token_by_token(checkpoint):
+  _, _, path = checkpoint
+  model = models.from_pretrained(path)
+  tokens, _ = _batch()
+  tokens = jnp.asarray(tokens[:2, :20])
+  full = np.asarray(model(tokens))
+  step = nnx.jit(lambda m, t, p, c: m.hidden_states(t, p, cache=c))
+  cache = KVCache.zeros(model.cfg, 2, 32)
+  # Prefill 8 tokens, then one token at a time; the last prefill chunk is
+  # ragged: slot 1 pads its chunk with positions >= S, which are dropped.
+  hidden, cache = step(model, tokens[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache)
+  np.testing.assert_allclose(model.logits(hidden), full[:, :8], atol=2e-5)
+  for i in range(8, 20):
+    hidden, cache = step(model, tokens[:, i:i + 1], jnp.full((2, 1), i), cache)
+    np.testing.assert_allclose(np.asarray(model.logits(hidden))[:, 0], full[:, i],
+                               atol=2e-5)
+
+
+def test_cache_ignores_parked_padding_and_stale_entries(checkpoint):
+  _, _, path = checkpoint
+  model = models.from_pretrained(path)
+  tokens, _ = _batch()
+  tokens = jnp.asarray(tokens[:1, :12])
+  full = np.asarray(model(tokens))
+  # Garbage left in the cache by an earlier episode of the slot...
+  cache = KVCache.zeros(model.cfg, 1, 16)
+  _, cache = model.hidden_states(jnp.full((1, 16), 5), jnp.arange(16)[None], cache=cache)
+  # ...and a prefill chunk padded to 12 with parked positions (>= S = 16).
+  chunk = tokens.at[0, 9:].set(0)
+  positions = jnp.asarray([list(range(9)) + [16, 17, 18]])
+  hidden, cache = model.hidden_states(chunk, positions, cache=cache)
+  np.testing.assert_allclose(model.logits(hidden)[0, :9], full[0, :9], atol=2e-5)
+  hidden, _ = model.hidden_states(tokens[:, 9:], jnp.asarray([[9, 10, 11]]), cache=cache)
+  np.testing.assert_allclose(model.logits(hidden)[0], full[0, 9:], atol=2e-5)
+
+
+def test_export_round_trips_bit_exactly_and_loads_in_transformers(checkpoint, tmp_path):
+  arch, _, path = checkpoint
+  model = models.from_pretrained(path)
+  out = models.save_pretrained(
+      model, tmp_path / "export",
+      hf_config=transformers.AutoConfig.from_pretrained(path))
+  again = models.from_pretrained(out)
+  for (p1, v1), (p2, v2) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                                nnx.to_flat_state(nnx.state(again, nnx.Param))):
+    assert p1 == p2
+    np.testing.assert_array_equal(v1.get_value(), v2.get_value())
+  tmodel = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(tmodel).__name__.lower().startswith(arch)
+  tokens, attn = _batch()
+  want = np.asarray(model(jnp.asarray(tokens), None, jnp.asarray(np.where(attn > 0, 0, -1))))
+  got = _torch_logits(tmodel, tokens, attn)
+  np.testing.assert_array_less(np.abs(got - want)[attn > 0].max(), 1e-4)
+
+
+def test_sharded_checkpoint_loads(checkpoint, tmp_path):
+  _, tmodel, path = checkpoint
+  tmodel.save_pretrained(tmp_path, max_shard_size="40KB")
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  a, b = models.from_pretrained(path), models.from_pretrained(tmp_path)
+  tokens = jnp.asarray(_batch()[0])
+  np.testing.assert_array_equal(a(tokens), b(tokens))
+
+
+def test_bf16_params_and_activations(checkpoint):
+  _, _, path = checkpoint
+  model = models.from_pretrained(path, dtype=jnp.bfloat16)
+  f32 = models.from_pretrained(path)
+  tokens = jnp.asarray(_batch()[0])
+  logits = model(tokens)
+  assert logits.dtype == jnp.bfloat16
+  assert model.embed_tokens.embedding.get_value().dtype == jnp.bfloat16
+  lp16 = losses.token_logprobs(logits, tokens)
+  lp32 = losses.token_logprobs(f32(tokens), tokens)
+  assert lp16.dtype == jnp.float32
+  np.testing.assert_allclose(lp16, lp32, atol=0.15)
+
+
+# -- Loading errors ------------------------------------------------------------------
+
+def test_load_errors_are_clear(checkpoint, tmp_path):
+  _, tmodel, path = checkpoint
+  with pytest.raises(FileNotFoundError, match="no config.json"):
+    models.from_pretrained(tmp_path / "nowhere")
+  tensors = safetensors.numpy.load_file(str(path / "model.safetensors"))
+  config = (path / "config.json").read_text()
+
+  def write(name, tensors, config=config):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(config)
+    safetensors.numpy.save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+  missing = dict(tensors)
+  del missing["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(ValueError, match=r"missing tensors \(1\): \['model.layers.1.mlp.up_proj.weight'\]"):
+    models.from_pretrained(write("missing", missing))
+  extra = dict(tensors, **{"model.layers.0.mlp.up_proj.bias": np.zeros(128, np.float32)})
+  with pytest.raises(ValueError, match=r"unexpected tensors \(1\)"):
+    models.from_pretrained(write("extra", extra))
+  bad = dict(tensors, **{"model.norm.weight": np.ones(3, np.float32)})
+  with pytest.raises(ValueError, match="model.norm.weight has shape"):
+    models.from_pretrained(write("shape", bad))
+  gpt2 = json.loads(config)
+  gpt2["model_type"] = "gpt2"
+  with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+    models.from_pretrained(write("gpt2", tensors, json.dumps(gpt2)))
+  (tmp_path / "noweights").mkdir()
+  (tmp_path / "noweights" / "config.json").write_text(config)
+  with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+    models.from_pretrained(tmp_path / "noweights")
+
+
+# -- Value head, remat ------------------------------------------------------------------------
+
+def test_value_head_round_trip(checkpoint, tmp_path):
+  _, _, path = checkpoint
+  model = models.from_pretrained(path, value_head=True, seed=3)
+  tokens = jnp.asarray(_batch()[0])
+  hidden, _ = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(24), (3, 24)))
+  values = model.values(hidden)
+  assert values.shape == (3, 24) and values.dtype == jnp.float32
+  models.save_pretrained(model, tmp_path)
+  again = models.from_pretrained(tmp_path, value_head=True, seed=99)
+  np.testing.assert_array_equal(again.values(hidden), values)
+  with pytest.raises(ValueError, match="no value head"):
+    models.from_pretrained(path).values(hidden)
+
+
+def test_remat_gives_the_same_gradients():
+  cfg = models.tiny_config("qwen2", vocab_size=97, num_layers=2)
+  tokens = jnp.asarray(_batch()[0])
+
+  def grads(remat):
+    model = models.Decoder(cfg.replace(remat=remat), rngs=nnx.Rngs(0))
+    loss = lambda m: losses.token_logprobs(m(tokens), tokens).sum()
+    return nnx.grad(loss)(model)
+
+  for a, b in zip(jax.tree.leaves(grads(False)), jax.tree.leaves(grads(True))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_config_round_trip_through_hf():
+  for arch in ("llama", "qwen2"):
+    cfg = models.tiny_config(arch, rope_type="llama3", rope_factor=8.0)
+    assert models.from_hf_config(models.to_hf_config(cfg)) == cfg
+  with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+    models.tiny_config(rope_type="yarn")
