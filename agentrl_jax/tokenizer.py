@@ -1,0 +1,192 @@
+"""Tokenizers and chat formats rendered as token deltas.
+
+A conversation is never re-rendered and re-encoded: each turn appends a
+*delta* (the prompt once; after each action, the observation wrapped in the
+format's template plus the next assistant header). BPE merges across a seam
+and templates that re-normalise earlier turns would otherwise change tokens
+the sampler already produced (reference text, "Carry token ids, not
+strings"). `check_prefix_preserving` tells you whether re-encoding the text
+*would* have given the same ids: if not, anything that works on text (a
+serving stack re-applying a chat template, say) sees different tokens than
+training did.
+
+Tokenizers load from local paths only (`load_tokenizer(dir)`); the bundled
+one (`load_tokenizer()`) is a 512-entry byte-level BPE trained on
+`assets/corpus.txt`, with the chat and tool tags as single tokens so that
+stop strings always tokenize the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Iterable, Sequence
+
+import tokenizers
+import transformers
+
+ASSETS = pathlib.Path(__file__).parent / "assets"
+BUNDLED_TOKENIZER = ASSETS / "tokenizer.json"
+BUNDLED_CORPUS = ASSETS / "corpus.txt"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOOL_TAGS = tuple(f"<{p}{t}>" for t in ("search", "answer", "calc", "python",
+                                        "tool_response", "observation", "think")
+                  for p in ("", "/"))
+
+
+def load_tokenizer(path: str | os.PathLike | None = None
+                   ) -> transformers.PreTrainedTokenizerFast:
+  """A local HF tokenizer directory or tokenizer.json; None: the bundled one."""
+  if path is None:
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(BUNDLED_TOKENIZER), eos_token="<|im_end|>",
+        pad_token="<|endoftext|>")
+  path = pathlib.Path(path)
+  if path.is_file():
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+  if not path.is_dir():
+    raise FileNotFoundError(f"no tokenizer at {path} (a local directory or "
+                            "tokenizer.json file is expected)")
+  return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *,
+                        special_tokens: Sequence[str] = SPECIAL_TOKENS,
+                        added_tokens: Sequence[str] = TOOL_TAGS
+                        ) -> tokenizers.Tokenizer:
+  """Trains a byte-level BPE (lossless on any text) with atomic tags."""
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size - len(added_tokens),
+      special_tokens=list(special_tokens),
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False)
+  tok.train_from_iterator(texts, trainer)
+  tok.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in added_tokens])
+  return tok
+
+
+def encode(tok, text: str) -> list[int]:
+  """Ids of `text` alone: no BOS/EOS or other template tokens added."""
+  return list(tok.encode(text, add_special_tokens=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+  """How turns are wrapped; every method returns a token-id delta.
+
+  prompt: the first SYSTEM segment, ending with the assistant header.
+  observation: wraps an environment observation and opens the next
+    assistant turn.
+  end_of_turn: the string that closes an assistant turn (ChatML's
+    <|im_end|>), or "" if turns are not closed. If an action stopped without
+    it (at a tool tag or a token budget), the observation delta closes the
+    turn first; those template tokens belong to the OBSERVATION segment.
+  stops: strings that end an action; the model's stop tokens are part of it.
+  """
+
+  name: str
+  prompt: str  # with {system} and {task}
+  observation: str  # with {observation}
+  end_of_turn: str
+  stops: tuple[str, ...]
+
+  def prompt_ids(self, tok, system: str, task: str) -> list[int]:
+    return encode(tok, self.prompt.format(system=system, task=task))
+
+  def observation_ids(self, tok, observation: str,
+                      action_ids: Sequence[int]) -> list[int]:
+    """Delta after an action: close the turn if needed, wrap, reopen."""
+    return encode(tok, self._observation_text(observation,
+                                              self._closed(tok, action_ids)))
+
+  def stop_sequences(self, tok, extra: Sequence[str] = ()) -> tuple[tuple[int, ...], ...]:
+    """The stop strings (the format's and `extra`, e.g. tool tags) as ids."""
+    return tuple(tuple(encode(tok, s)) for s in (*self.stops, *extra))
+
+  def render(self, system: str, task: str, actions: Sequence[str],
+             observations: Sequence[str]) -> str:
+    """The whole conversation as text (for display and the prefix check only)."""
+    text = self.prompt.format(system=system, task=task)
+    for i, action in enumerate(actions):
+      text += action
+      if i < len(observations):
+        closed = not self.end_of_turn or action.endswith(self.end_of_turn)
+        text += self._observation_text(observations[i], closed)
+    return text
+
+  def _closed(self, tok, action_ids: Sequence[int]) -> bool:
+    if not self.end_of_turn:
+      return True
+    eot = encode(tok, self.end_of_turn)
+    return list(action_ids[-len(eot):]) == eot
+
+  def _observation_text(self, observation: str, closed: bool) -> str:
+    opener = "" if closed else self.end_of_turn
+    return opener + self.observation.format(observation=observation)
+
+
+CHATML = ChatFormat(
+    name="chatml",
+    prompt=("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{task}"
+            "<|im_end|>\n<|im_start|>assistant\n"),
+    observation=("\n<|im_start|>user\n<tool_response>\n{observation}\n"
+                 "</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    end_of_turn="<|im_end|>", stops=("<|im_end|>",))
+
+REACT = ChatFormat(
+    name="react",
+    prompt="{system}\n\nTask: {task}\n",
+    observation="\n<observation>{observation}</observation>\n",
+    end_of_turn="", stops=("<|im_end|>",))
+
+FORMATS = {f.name: f for f in (CHATML, REACT)}
+
+
+def get_format(name: str) -> ChatFormat:
+  if name not in FORMATS:
+    raise ValueError(f"unknown chat format {name!r}; known: {sorted(FORMATS)}")
+  return FORMATS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCheck:
+  """Result of `check_prefix_preserving`."""
+
+  ok: bool
+  turn: int | None = None  # first turn whose text re-encoding differs
+  position: int | None = None  # first differing token index
+  detail: str = ""
+
+
+def check_prefix_preserving(tok, fmt: ChatFormat, system: str, task: str,
+                            actions: Sequence[str],
+                            observations: Sequence[str]) -> PrefixCheck:
+  """Does encoding the rendered text reproduce the delta-built ids?
+
+  For each turn t, encodes the text of the conversation up to and including
+  turn t's observation in one go and compares it with the ids the rollout
+  builds from deltas (prompt ids, then each action's own encoding and its
+  observation delta). A mismatch means text-level re-tokenization drifts from
+  what the policy was trained on; the first one is reported with context.
+  """
+  ids = fmt.prompt_ids(tok, system, task)
+  for t, action in enumerate(actions):
+    action_ids = encode(tok, action)
+    ids = ids + action_ids
+    if t < len(observations):
+      ids = ids + fmt.observation_ids(tok, observations[t], action_ids)
+    text = fmt.render(system, task, actions[:t + 1], observations[:t + 1])
+    whole = encode(tok, text)
+    if whole != ids:
+      pos = next((i for i, (a, b) in enumerate(zip(whole, ids)) if a != b),
+                 min(len(whole), len(ids)))
+      return PrefixCheck(
+          ok=False, turn=t, position=pos,
+          detail=(f"turn {t}, token {pos}: re-encoded text gives "
+                  f"{tok.convert_ids_to_tokens(whole[pos:pos + 4])}, deltas give "
+                  f"{tok.convert_ids_to_tokens(ids[pos:pos + 4])}"))
+  return PrefixCheck(ok=True)

@@ -1,0 +1,110 @@
+"""Tokenizers and chat formats: deltas, stops, the prefix check, the bundled BPE."""
+
+import json
+import os
+import sys
+import pathlib
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from agentrl_jax import tokenizer as T
+from agentrl_jax.trajectory import Role, Segment, Trajectory
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import build_bundled_tokenizer  # pylint: disable=wrong-import-position
+
+SYSTEM = "You are a research agent."
+TASK = "Who founded Kalomira?"
+ACTIONS = ["<think>Search it.</think><search>Kalomira founder</search><|im_end|>",
+           "<search>Torvo</search>",  # stopped at the tool tag: turn left open
+           "<answer>Torvo Selqua</answer><|im_end|>"]
+OBSERVATIONS = ["[1] Kalomira was founded by Torvo.", "[1] Torvo Selqua, 1840."]
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return T.load_tokenizer()
+
+
+def test_bundled_tokenizer_round_trips_the_bundled_corpus(tok):
+  text = T.BUNDLED_CORPUS.read_text()
+  ids = T.encode(tok, text)
+  assert tok.decode(ids) == text
+  assert len(ids) < len(text) / 2.5, "BPE should compress the text it was trained on"
+  assert len(tok) == 512
+  for tag in T.SPECIAL_TOKENS + T.TOOL_TAGS:
+    assert len(T.encode(tok, tag)) == 1, tag
+  assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+
+
+def test_committed_tokenizer_is_what_the_build_script_makes():
+  text = "\n".join(build_bundled_tokenizer.corpus_lines()) + "\n"
+  assert text == T.BUNDLED_CORPUS.read_text()
+  rebuilt = T.train_bpe_tokenizer(text.splitlines(), build_bundled_tokenizer.VOCAB_SIZE)
+  assert json.loads(rebuilt.to_str()) == json.loads(T.BUNDLED_TOKENIZER.read_text())
+
+
+@pytest.mark.parametrize("fmt", [T.CHATML, T.REACT])
+def test_turn_by_turn_deltas_are_the_training_ids(tok, fmt):
+  actions = [a if fmt.end_of_turn else a.replace("<|im_end|>", "") for a in ACTIONS]
+  segments = [Segment(Role.SYSTEM, fmt.prompt_ids(tok, SYSTEM, TASK))]
+  for i, action in enumerate(actions):
+    ids = T.encode(tok, action)  # what the sampler would have produced
+    segments.append(Segment(Role.ASSISTANT, ids, [-1.0] * len(ids)))
+    if i < len(OBSERVATIONS):
+      segments.append(Segment(Role.OBSERVATION,
+                              fmt.observation_ids(tok, OBSERVATIONS[i], ids)))
+  ids, mask = Trajectory(segments).flatten()
+  text = fmt.render(SYSTEM, TASK, actions, OBSERVATIONS)
+  assert tok.decode(ids) == text
+  assert T.check_prefix_preserving(tok, fmt, SYSTEM, TASK, actions, OBSERVATIONS).ok
+  np.testing.assert_array_equal(ids, T.encode(tok, text))
+  # Only the sampled action tokens carry a loss.
+  action_ids = [t for a in actions for t in T.encode(tok, a)]
+  np.testing.assert_array_equal(ids[mask > 0], action_ids)
+
+
+def test_observation_closes_an_open_turn(tok):
+  eot = T.encode(tok, "<|im_end|>")
+  closed = T.CHATML.observation_ids(tok, "x", T.encode(tok, ACTIONS[0]))
+  left_open = T.CHATML.observation_ids(tok, "x", T.encode(tok, ACTIONS[1]))
+  assert closed[:1] != eot and left_open[:1] == eot
+  assert left_open[1:] == closed
+  assert tok.decode(closed).endswith("<|im_start|>assistant\n")
+
+
+def test_stop_sequences(tok):
+  stops = T.CHATML.stop_sequences(tok, extra=["</search>", "</answer>"])
+  assert stops == ((tok.eos_token_id,), tuple(T.encode(tok, "</search>")),
+                   tuple(T.encode(tok, "</answer>")))
+  # A multi-token stop string stays multi-token (the sampler matches spans).
+  assert len(T.CHATML.stop_sequences(tok, extra=["Final answer:"])[-1]) > 1
+
+
+def test_prefix_check_reports_a_seam_merge(tok):
+  # The prompt ends mid-word; the model completes it. Re-encoding the text
+  # merges "ans" + "wer" into other tokens than the deltas hold.
+  fmt = T.ChatFormat(name="seam", prompt="{system}\n{task}\nThe ans",
+                     observation="\n<observation>{observation}</observation>\n",
+                     end_of_turn="", stops=())
+  result = T.check_prefix_preserving(tok, fmt, SYSTEM, TASK, ["wer is 4"], [])
+  assert not result.ok and result.turn == 0
+  assert "turn 0" in result.detail
+
+
+def test_load_local_hf_tokenizer(tok, tmp_path):
+  tok.save_pretrained(tmp_path)
+  again = T.load_tokenizer(tmp_path)
+  text = T.BUNDLED_CORPUS.read_text()[:5000]
+  assert T.encode(again, text) == T.encode(tok, text)
+  assert T.encode(T.load_tokenizer(T.BUNDLED_TOKENIZER), text) == T.encode(tok, text)
+  with pytest.raises(FileNotFoundError, match="no tokenizer at"):
+    T.load_tokenizer(tmp_path / "missing")
+
+
+def test_unknown_format_lists_known():
+  with pytest.raises(ValueError, match=r"known: \['chatml', 'react'\]"):
+    T.get_format("llama2")
