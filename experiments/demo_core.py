@@ -8,15 +8,16 @@ It builds G rollouts per task with random actions, observations and per-turn
 rewards, assigns credit three ways (trajectory-level GRPO, turn-level
 returns-to-go, GAE over turns with a zero critic), collates the trajectories
 into a padded and a packed batch, and evaluates the masked clipped surrogate
-under a tiny random "policy" on both: the two losses must agree.
+under the tiny random Llama decoder on both: packed rows attend only within
+their own trajectory, so the two losses must agree.
 """
 
 from absl import app, flags
-import jax
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax import advantages, losses
+from agentrl_jax import advantages, losses, models
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate, turn_arrays
 
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Rollouts per task (G).")
@@ -25,7 +26,7 @@ _MAX_TURNS = flags.DEFINE_integer("max_turns", 4, "Turn budget per episode.")
 _GAMMA = flags.DEFINE_float("gamma", 0.9, "Discount between turns.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 
-VOCAB = 64
+VOCAB = models.tiny_config().vocab_size
 
 
 def synthetic_rollout(rng: np.random.Generator, max_turns: int) -> Trajectory:
@@ -76,12 +77,11 @@ def main(argv):
 
   padded = collate(trajs, buckets=(32, 64))
   packed = collate(trajs, buckets=(32, 64), pack=True)
-  emb = jax.random.normal(jax.random.key(_SEED.value), (VOCAB, VOCAB))
+  policy = models.Decoder(models.tiny_config(), rngs=nnx.Rngs(_SEED.value))
+  forward = nnx.jit(lambda m, b: m(b.tokens, b.positions, b.seq_ids))
 
   def loss_on(batch, per_turn):
-    # A stand-in policy: logits depend on the current token only. (The real
-    # model, which attends within seq_ids, arrives with the model issue.)
-    logp = losses.token_logprobs(emb[batch.tokens], batch.tokens)
+    logp = losses.token_logprobs(forward(policy, batch), batch.tokens)
     if per_turn is None:
       adv = advantages.broadcast_trajectory_values(
           traj_adv, batch.seq_ids, batch.turn_index)
