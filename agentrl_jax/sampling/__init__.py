@@ -1,0 +1,7 @@
+"""Jitted KV-cache sampling: prefill / decode / extend over episode slots."""
+
+from agentrl_jax.sampling.processing import SamplingParams, sample
+from agentrl_jax.sampling.sampler import (
+    STOP_BUDGET, STOP_CACHE_FULL, STOP_NONE, STOP_SEQUENCE, Action, Sampler,
+    SamplerState)
+from agentrl_jax.sampling.stops import StopTable

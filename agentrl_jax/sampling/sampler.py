@@ -1,0 +1,282 @@
+"""Jitted KV-cache sampler that generates turn by turn.
+
+The sampler holds a fixed number of *slots*, each one live episode with its
+own region of the KV cache. Per turn:
+
+  state = sampler.prefill(state, slots, prompts)        # new episodes
+  state, actions = sampler.decode(state, slots, ...)     # until stop/budget
+  state = sampler.extend(state, slots, observations)     # KV only for new tokens
+
+`extend` computes keys/values only for the appended tokens and attends to
+the prefix already in the cache, so a T-turn episode costs O(total tokens),
+not O(T x context) as re-prefilling the conversation every turn would.
+A slot is reused for a new episode by prefilling it again (or `release`):
+shapes never change, so nothing recompiles (continuous batching at turn
+granularity).
+
+Static shapes: the number of slots B, cache length S and decode buffer T are
+fixed at construction; prompt/extension lengths are padded to
+`length_buckets` and the number of slots touched by one prefill/extend to a
+power of two. `compile_counts` counts traces per entry point.
+
+Log-probs: `decode` reports, per sampled token, `raw_logprobs` (the policy
+itself at temperature 1, no filtering: what `losses.token_logprobs`
+recomputes in the trainer, and what the trainer uses as old log-probs) and
+`sampled_logprobs` (under the temperature/top-k/top-p distribution the token
+was actually drawn from).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Sequence
+
+import flax.struct
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.models.decoder import Decoder, KVCache
+from agentrl_jax.sampling import stops as stops_lib
+from agentrl_jax.sampling.processing import SamplingParams, sample
+from agentrl_jax.trajectory import bucket_length
+
+STOP_NONE, STOP_SEQUENCE, STOP_BUDGET, STOP_CACHE_FULL = 0, 1, 2, 3
+
+
+@flax.struct.dataclass
+class SamplerState:
+  cache: KVCache  # per layer [B, KV, S, D]
+  lengths: jax.Array  # [B] int32, tokens held in the cache per slot
+  next_logits: jax.Array  # [B, V] float32, logits for each slot's next token
+  rng: jax.Array  # PRNG key
+
+
+@flax.struct.dataclass
+class _DecodeBuffers:
+  tokens: jax.Array  # [B, T] int32
+  raw_logprobs: jax.Array  # [B, T] float32
+  sampled_logprobs: jax.Array  # [B, T] float32
+  num_tokens: jax.Array  # [B] int32
+  stop_reason: jax.Array  # [B] int32, STOP_*
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+  """What one slot generated in one `decode` call."""
+
+  tokens: list[int]  # including the stop sequence the model emitted
+  raw_logprobs: list[float]  # log pi(token), temperature 1: the trainer's
+  sampled_logprobs: list[float]  # under the distribution sampled from
+  stop_reason: int  # STOP_SEQUENCE, STOP_BUDGET or STOP_CACHE_FULL
+
+
+class Sampler:
+  """Prefill / decode / extend over a fixed set of slots (see module doc)."""
+
+  def __init__(self, model: Decoder, *, num_slots: int, cache_length: int,
+               max_decode_length: int = 256,
+               length_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024),
+               max_stop_sequences: int = 8, max_stop_length: int = 8):
+    self.cfg = model.cfg
+    self.graphdef, self.params = nnx.split(model)
+    self.num_slots, self.cache_length = num_slots, cache_length
+    self.max_decode_length = max_decode_length
+    self.length_buckets = tuple(sorted(length_buckets))
+    self.max_stop_sequences, self.max_stop_length = max_stop_sequences, max_stop_length
+    self.compile_counts: collections.Counter = collections.Counter()
+    # The state (and its cache) is donated: XLA updates it in place.
+    self._extend_jit = jax.jit(self._extend_impl, donate_argnums=(1,))
+    self._decode_jit = jax.jit(self._decode_impl, donate_argnums=(1,))
+
+  def update_params(self, model_or_params) -> None:
+    """Weight sync: the next call samples from these parameters."""
+    if isinstance(model_or_params, nnx.Module):
+      _, model_or_params = nnx.split(model_or_params)
+    self.params = model_or_params
+
+  def init_state(self, seed: int = 0) -> SamplerState:
+    b = self.num_slots
+    return SamplerState(
+        cache=KVCache.zeros(self.cfg, b, self.cache_length),
+        lengths=jnp.zeros(b, jnp.int32),
+        next_logits=jnp.zeros((b, self.cfg.vocab_size), jnp.float32),
+        rng=jax.random.key(seed))
+
+  # -- Host entry points -----------------------------------------------------------
+
+  def prefill(self, state: SamplerState, slots: Sequence[int],
+              token_lists: Sequence[Sequence[int]]) -> SamplerState:
+    """Starts new episodes: the slots' caches restart with these prompts."""
+    return self.extend(state, slots, token_lists, reset=True)
+
+  def release(self, state: SamplerState, slots: Sequence[int]) -> SamplerState:
+    """Marks slots empty (their next prefill starts from position 0)."""
+    return state.replace(lengths=state.lengths.at[jnp.asarray(slots)].set(0))
+
+  def extend(self, state: SamplerState, slots: Sequence[int],
+             token_lists: Sequence[Sequence[int]], *,
+             reset: bool = False) -> SamplerState:
+    """Appends tokens to live slots, computing KV only for the new tokens.
+
+    Lists longer than the largest length bucket are fed in chunks.
+    """
+    slots = [int(s) for s in slots]
+    lists = [np.asarray(t, np.int64).reshape(-1) for t in token_lists]
+    self._check_slots(slots, len(lists))
+    for s, toks in zip(slots, lists):
+      if toks.size == 0:
+        raise ValueError(f"slot {s}: nothing to extend with (empty token list)")
+      if toks.min() < 0 or toks.max() >= self.cfg.vocab_size:
+        raise ValueError(f"slot {s}: token ids must be in [0, {self.cfg.vocab_size})")
+    held = np.zeros(len(slots), np.int64) if reset else np.asarray(state.lengths)[slots]
+    for s, h, toks in zip(slots, held, lists):
+      if h + toks.size > self.cache_length:
+        raise ValueError(
+            f"slot {s}: {h} + {toks.size} tokens exceed the cache length "
+            f"{self.cache_length}")
+    chunk = self.length_buckets[-1]
+    for start in range(0, max(t.size for t in lists), chunk):
+      part = [(s, t[start:start + chunk]) for s, t in zip(slots, lists)
+              if t.size > start]
+      rows = min(1 << (len(part) - 1).bit_length(), self.num_slots)
+      width = bucket_length(max(t.size for _, t in part), self.length_buckets)
+      slot_idx = np.full(rows, self.num_slots, np.int32)  # padding rows: dropped
+      tokens = np.zeros((rows, width), np.int32)
+      n_new = np.zeros(rows, np.int32)
+      for r, (s, t) in enumerate(part):
+        slot_idx[r], tokens[r, :t.size], n_new[r] = s, t, t.size
+      state = self._extend_jit(self.params, state, slot_idx, tokens, n_new,
+                               reset and start == 0)
+    return state
+
+  def decode(self, state: SamplerState, slots: Sequence[int], *,
+             stop_sequences: Sequence[Sequence[int]] = (),
+             max_new_tokens: int | Sequence[int] | None = None,
+             temperature=1.0, top_k=0, top_p=1.0
+             ) -> tuple[SamplerState, dict[int, Action]]:
+    """Samples for `slots` until each hits a stop sequence, its budget or the
+    cache end. The other slots are untouched.
+
+    Args:
+      stop_sequences: token-id sequences; the emitted stop tokens are part of
+        the action. Include the EOS id as a one-token sequence.
+      max_new_tokens: per-slot (or shared) budget, at most max_decode_length.
+      temperature, top_k, top_p: scalars or per-slot sequences (0 temperature
+        = greedy); arrays inside the jit, so changing them never recompiles.
+    Returns:
+      (new state, {slot: Action}).
+    """
+    slots = [int(s) for s in slots]
+    self._check_slots(slots, len(slots))
+    b = self.num_slots
+    budget = np.full(b, self.max_decode_length if max_new_tokens is None else 0, np.int32)
+    if max_new_tokens is not None:
+      budget[slots] = np.broadcast_to(np.asarray(max_new_tokens), (len(slots),))
+    if budget.max() > self.max_decode_length:
+      raise ValueError(f"max_new_tokens {budget.max()} > max_decode_length "
+                       f"{self.max_decode_length}")
+    active = np.zeros(b, bool)
+    active[slots] = True
+
+    def per_slot(x, dtype):
+      out = np.zeros(b, dtype)
+      out[slots] = np.broadcast_to(np.asarray(x, dtype), (len(slots),))
+      return out
+
+    sampling = SamplingParams(
+        temperature=per_slot(temperature, np.float32),
+        top_k=per_slot(top_k, np.int32), top_p=per_slot(top_p, np.float32))
+    table = stops_lib.StopTable.make(stop_sequences, self.max_stop_sequences,
+                                     self.max_stop_length)
+    state, out = self._decode_jit(self.params, state, active, budget, table, sampling)
+    out = jax.device_get(out)
+    actions = {}
+    for s in slots:
+      n = int(out.num_tokens[s])
+      actions[s] = Action(
+          tokens=out.tokens[s, :n].tolist(),
+          raw_logprobs=out.raw_logprobs[s, :n].tolist(),
+          sampled_logprobs=out.sampled_logprobs[s, :n].tolist(),
+          stop_reason=int(out.stop_reason[s]))
+    return state, actions
+
+  def _check_slots(self, slots, n):
+    if len(slots) != n:
+      raise ValueError(f"{len(slots)} slots but {n} token lists")
+    if len(set(slots)) != len(slots) or not all(0 <= s < self.num_slots for s in slots):
+      raise ValueError(f"slots must be distinct and in [0, {self.num_slots}), got {slots}")
+
+  # -- Jitted bodies ----------------------------------------------------------------
+
+  def _extend_impl(self, params, state, slot_idx, tokens, n_new, reset):
+    self.compile_counts["extend"] += 1  # runs only while tracing
+    model = nnx.merge(self.graphdef, params)
+    s_len = self.cache_length
+    rows = jnp.minimum(slot_idx, self.num_slots - 1)
+    start = jnp.where(reset, 0, state.lengths[rows])
+    j = jnp.arange(tokens.shape[1])
+    # Padding tokens are parked beyond the cache: their writes are dropped.
+    positions = jnp.where(j[None] < n_new[:, None], start[:, None] + j[None], s_len + j[None])
+    sub = KVCache(k=tuple(k[rows] for k in state.cache.k),
+                  v=tuple(v[rows] for v in state.cache.v))
+    hidden, sub = model.hidden_states(tokens, positions, cache=sub)
+    last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = model.logits(last).astype(jnp.float32)
+    put = lambda full, part: full.at[slot_idx].set(part, mode="drop")
+    cache = KVCache(k=tuple(map(put, state.cache.k, sub.k)),
+                    v=tuple(map(put, state.cache.v, sub.v)))
+    return state.replace(
+        cache=cache, lengths=put(state.lengths, start + n_new),
+        next_logits=put(state.next_logits, logits))
+
+  def _decode_impl(self, params, state, active, budget, table, sampling):
+    self.compile_counts["decode"] += 1  # runs only while tracing
+    model = nnx.merge(self.graphdef, params)
+    b, t_max, s_len = self.num_slots, self.max_decode_length, self.cache_length
+    live = active & (budget > 0) & (state.lengths < s_len)
+    buffers = _DecodeBuffers(
+        tokens=jnp.zeros((b, t_max), jnp.int32),
+        raw_logprobs=jnp.zeros((b, t_max), jnp.float32),
+        sampled_logprobs=jnp.zeros((b, t_max), jnp.float32),
+        num_tokens=jnp.zeros(b, jnp.int32),
+        stop_reason=jnp.zeros(b, jnp.int32))
+    tail = stops_lib.empty_tail(b, self.max_stop_length)
+
+    def cond(carry):
+      step, _, _, live, _ = carry
+      return (step < t_max) & jnp.any(live)
+
+    def body(carry):
+      step, state, out, live, tail = carry
+      rng, key = jax.random.split(state.rng)
+      token, raw, sampled = sample(key, state.next_logits, sampling)
+      # Every live slot has generated exactly `step` tokens so far.
+      out = out.replace(
+          tokens=out.tokens.at[:, step].set(jnp.where(live, token, 0)),
+          raw_logprobs=out.raw_logprobs.at[:, step].set(jnp.where(live, raw, 0.0)),
+          sampled_logprobs=out.sampled_logprobs.at[:, step].set(
+              jnp.where(live, sampled, 0.0)))
+      # Feed the token (stop tokens too: they are context for the next turn).
+      positions = jnp.where(live, state.lengths, s_len)[:, None]
+      hidden, cache = model.hidden_states(token[:, None], positions, cache=state.cache)
+      logits = model.logits(hidden[:, 0]).astype(jnp.float32)
+      lengths = state.lengths + live
+      count = out.num_tokens + live
+      tail = jnp.where(live[:, None], stops_lib.push(tail, token), tail)
+      hit_stop = live & stops_lib.matches(tail, table)
+      hit_budget = live & (count >= budget)
+      hit_full = live & (lengths >= s_len)
+      reason = jnp.where(hit_stop, STOP_SEQUENCE, jnp.where(
+          hit_budget, STOP_BUDGET, jnp.where(hit_full, STOP_CACHE_FULL, out.stop_reason)))
+      state = state.replace(
+          cache=cache, lengths=lengths, rng=rng,
+          next_logits=jnp.where(live[:, None], logits, state.next_logits))
+      out = out.replace(num_tokens=count, stop_reason=reason)
+      return step + 1, state, out, live & ~(hit_stop | hit_budget | hit_full), tail
+
+    _, state, out, _, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), state, buffers, live, tail))
+    return state, out

@@ -1,0 +1,222 @@
+"""The KV-cache sampler: consistency with the trainer, stops, KV reuse, no recompiles."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agentrl_jax import losses, models
+from agentrl_jax.sampling import (
+    STOP_BUDGET, STOP_CACHE_FULL, STOP_SEQUENCE, Sampler, SamplingParams, sample)
+from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
+
+CACHE = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+  # A larger init scale than the default so the random policy is peaked
+  # enough for greedy paths and stops to be informative.
+  cfg = models.tiny_config("qwen2", vocab_size=64)
+  m = models.Decoder(cfg, rngs=nnx.Rngs(0))
+  for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):
+    if path[-1] in ("kernel", "embedding"):
+      var.set_value(var.get_value() * 4.0)
+  return m
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+  return Sampler(model, num_slots=4, cache_length=CACHE, max_decode_length=12,
+                 length_buckets=(8, 16))
+
+
+def _greedy_reference(model, prompt, n, width=32):
+  """Argmax over full (uncached) forwards, one token at a time.
+
+  Right-padding to a fixed width keeps one compiled forward; causal
+  attention makes the padding invisible to the real positions.
+  """
+  forward = nnx.jit(lambda m, t: m(t))
+  ids = list(prompt)
+  for _ in range(n):
+    logits = forward(model, jnp.asarray([ids + [0] * (width - len(ids))]))
+    ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+  return ids[len(prompt):]
+
+
+def test_greedy_decode_equals_argmax_over_full_forwards(model, sampler):
+  prompts = {1: [3, 4, 5], 3: [9, 8, 7, 6, 5, 4, 3, 2, 1, 10]}
+  state = sampler.prefill(sampler.init_state(), list(prompts), list(prompts.values()))
+  state, actions = sampler.decode(state, list(prompts), max_new_tokens=10, temperature=0.0)
+  for slot, prompt in prompts.items():
+    assert actions[slot].tokens == _greedy_reference(model, prompt, 10)
+    assert actions[slot].stop_reason == STOP_BUDGET
+    assert actions[slot].sampled_logprobs == [0.0] * 10
+
+
+def test_multi_turn_logprobs_match_the_trainer(model, sampler):
+  """prefill -> decode -> extend -> decode -> extend -> decode, 3 slots, sampled."""
+  rng = np.random.default_rng(0)
+  slots = [0, 2, 3]
+  prompts = [list(rng.integers(0, 64, n)) for n in (5, 11, 2)]
+  segments = {s: [Segment(Role.SYSTEM, p)] for s, p in zip(slots, prompts)}
+  state = sampler.prefill(sampler.init_state(seed=1), slots, prompts)
+  for turn in range(3):
+    state, actions = sampler.decode(
+        state, slots, max_new_tokens=[4, 9, 6], temperature=[1.0, 0.7, 1.3],
+        top_p=[1.0, 0.9, 1.0], stop_sequences=[[17]])
+    observations = []
+    for s in slots:
+      a = actions[s]
+      assert a.tokens and len(a.tokens) == len(a.raw_logprobs)
+      segments[s].append(Segment(Role.ASSISTANT, a.tokens, a.raw_logprobs))
+      observations.append(list(rng.integers(0, 64, int(rng.integers(1, 7)))))
+    if turn < 2:
+      state = sampler.extend(state, slots, observations)
+      for s, obs in zip(slots, observations):
+        segments[s].append(Segment(Role.OBSERVATION, obs))
+  trajs = [Trajectory(segments[s]) for s in slots]
+  batch = collate(trajs, buckets=(64,))
+  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                 jnp.asarray(batch.seq_ids))
+  teacher = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
+  on = batch.loss_mask > 0
+  assert on.sum() > 20
+  np.testing.assert_allclose(teacher[on], batch.old_logprobs[on], atol=1e-4)
+  # The first token after each observation (a turn boundary) is among them.
+  boundary = on & ~np.pad(on, ((0, 0), (1, 0)))[:, :-1]
+  assert boundary.sum() == 9
+
+
+def test_extend_equals_prefilling_the_concatenation(sampler):
+  a, b = [1, 2, 3, 4, 5, 6], list(range(10, 30))  # b spans two 16-buckets: chunked
+  one = sampler.extend(sampler.prefill(sampler.init_state(), [2], [a]), [2], [b])
+  whole = sampler.prefill(sampler.init_state(), [2], [a + b])
+  np.testing.assert_allclose(one.next_logits[2], whole.next_logits[2], atol=2e-5)
+  assert int(one.lengths[2]) == int(whole.lengths[2]) == 26
+
+
+def _greedy(sampler, prompt, stops=(), n=10, slot=0):
+  state = sampler.prefill(sampler.init_state(), [slot], [prompt])
+  _, actions = sampler.decode(state, [slot], stop_sequences=stops,
+                              max_new_tokens=n, temperature=0.0)
+  return actions[slot]
+
+
+def test_stop_sequences(sampler):
+  prompt = [5, 6, 7]
+  free = _greedy(sampler, prompt).tokens
+  assert len(set(free[:6])) >= 3, free  # the random policy is not stuck
+  # Two tokens spanning a boundary: stops right after them, stop tokens kept.
+  got = _greedy(sampler, prompt, stops=[free[3:5]])
+  first = next(i for i in range(1, 10) if free[i - 1:i + 1] == free[3:5])
+  assert got.tokens == free[:first + 1] and got.stop_reason == STOP_SEQUENCE
+  # Only partly present (first token matches, second never comes): no stop.
+  absent = next(t for t in range(64) if t not in free)
+  got = _greedy(sampler, prompt, stops=[[free[3], absent]])
+  assert got.tokens == free and got.stop_reason == STOP_BUDGET
+  # The very first token.
+  got = _greedy(sampler, prompt, stops=[[absent], [free[0]]])
+  assert got.tokens == free[:1] and got.stop_reason == STOP_SEQUENCE
+  # A stop sequence completed only with prompt tokens does not count.
+  got = _greedy(sampler, prompt, stops=[[prompt[-1], free[0]]])
+  assert got.tokens == free
+
+
+def test_a_stopping_slot_does_not_affect_others(sampler):
+  p0, p1 = [5, 6, 7], [40, 41, 42, 43]
+  alone = _greedy(sampler, p1, slot=1).tokens
+  stop_early = [_greedy(sampler, p0).tokens[0]]
+  state = sampler.prefill(sampler.init_state(), [0, 1], [p0, p1])
+  state, actions = sampler.decode(state, [0, 1], stop_sequences=[stop_early],
+                                  max_new_tokens=10, temperature=0.0)
+  assert len(actions[0].tokens) == 1
+  if stop_early[0] not in alone:
+    assert actions[1].tokens == alone
+  else:  # the same stop applies to slot 1: it must stop exactly there
+    assert actions[1].tokens == alone[:alone.index(stop_early[0]) + 1]
+  # Slot 0 resumes from its own state unaffected by slot 1's longer decode.
+  state, more = sampler.decode(state, [0], max_new_tokens=3, temperature=0.0)
+  full = _greedy(sampler, p0, n=4).tokens
+  assert actions[0].tokens + more[0].tokens == full
+
+
+def test_no_recompilation_across_turns_and_episodes(model):
+  sampler = Sampler(model, num_slots=4, cache_length=CACHE, max_decode_length=8,
+                    length_buckets=(8, 16))
+  rng = np.random.default_rng(1)
+
+  def episode(seed, slots):
+    state = sampler.prefill(sampler.init_state(seed), slots,
+                            [list(rng.integers(0, 64, 3 + i)) for i in range(len(slots))])
+    for turn in range(3):
+      state, _ = sampler.decode(state, slots, max_new_tokens=int(rng.integers(2, 8)),
+                                temperature=float(rng.uniform(0, 2)),
+                                top_k=int(rng.integers(0, 5)),
+                                stop_sequences=[[int(rng.integers(64))]] * (turn + 1))
+      state = sampler.extend(state, slots,
+                             [list(rng.integers(0, 64, int(rng.integers(1, 8))))
+                              for _ in slots])
+    return state
+
+  state = episode(0, [0, 1, 2])
+  counts = dict(sampler.compile_counts)
+  assert counts == {"extend": 1, "decode": 1}
+  episode(1, [3, 1, 0])  # new episodes in reused slots, other lengths, same buckets
+  # Slots released and reused mid-run, other slots untouched.
+  state = sampler.release(state, [1])
+  state = sampler.prefill(state, [1, 2, 0], [[1, 2], [3, 4, 5, 6, 7], [9]])
+  state, _ = sampler.decode(state, [1, 2], max_new_tokens=3)
+  assert dict(sampler.compile_counts) == counts
+  # Touching 2 slots is a new row bucket (1, 2, 4 rows): one compile, once.
+  state = sampler.extend(state, [1, 2], [[1], [2, 3]])
+  state = sampler.extend(state, [0, 3], [[4, 5, 6], [7]])
+  assert dict(sampler.compile_counts) == {"extend": 2, "decode": 1}
+
+
+def test_cache_full_and_input_errors(model):
+  sampler = Sampler(model, num_slots=2, cache_length=20, max_decode_length=16,
+                    length_buckets=(8, 16))
+  state = sampler.prefill(sampler.init_state(), [0], [list(range(15))])
+  state, actions = sampler.decode(state, [0], max_new_tokens=16)
+  assert len(actions[0].tokens) == 5 and actions[0].stop_reason == STOP_CACHE_FULL
+  with pytest.raises(ValueError, match="exceed the cache length 20"):
+    sampler.extend(state, [0], [[1]])
+  with pytest.raises(ValueError, match="distinct"):
+    sampler.prefill(state, [1, 1], [[1], [2]])
+  with pytest.raises(ValueError, match="empty token list"):
+    sampler.prefill(state, [1], [[]])
+  with pytest.raises(ValueError, match="token ids must be in"):
+    sampler.prefill(state, [1], [[64]])
+  with pytest.raises(ValueError, match="max_decode_length"):
+    sampler.decode(state, [1], max_new_tokens=17)
+  with pytest.raises(ValueError, match="stop sequences > max"):
+    sampler.decode(state, [1], stop_sequences=[[1]] * 9)
+
+
+# -- Sampling controls --------------------------------------------------------------------
+
+def test_sample_controls_and_logprobs():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4))
+  params = SamplingParams(temperature=jnp.array([0.0, 1.0, 1.0, 2.0]),
+                          top_k=jnp.array([0, 2, 0, 0]),
+                          top_p=jnp.array([1.0, 1.0, 0.7, 1.0]))
+  keys = jax.random.split(jax.random.key(0), 4000)
+  tokens, raw, sampled = jax.vmap(lambda k: sample(k, logits, params))(keys)
+  tokens = np.asarray(tokens)
+  assert np.all(tokens[:, 0] == 0)  # greedy
+  assert set(tokens[:, 1]) == {0, 1}  # top-k 2
+  assert set(tokens[:, 2]) == {0, 1}  # nucleus 0.7: 0.5 + 0.3 crosses it
+  np.testing.assert_allclose(np.mean(tokens[:, 1] == 0), 0.5 / 0.8, atol=0.03)
+  temp2 = np.sqrt([0.5, 0.3, 0.15, 0.05]) / np.sqrt([0.5, 0.3, 0.15, 0.05]).sum()
+  freq = np.bincount(tokens[:, 3], minlength=4) / len(tokens)
+  np.testing.assert_allclose(freq, temp2, atol=0.03)
+  # Raw log-probs ignore the controls; sampled ones are the renormalised ones.
+  picked = np.log([0.5, 0.3, 0.15, 0.05])[tokens]
+  np.testing.assert_allclose(raw, picked, rtol=1e-5)
+  np.testing.assert_allclose(sampled[:, 0], 0.0)
+  np.testing.assert_allclose(sampled[:, 1], np.log(np.array([0.5, 0.3])[tokens[:, 1]] / 0.8),
+                             rtol=1e-5)
+  np.testing.assert_allclose(sampled[:, 3], np.log(temp2[tokens[:, 3]]), rtol=1e-5)
