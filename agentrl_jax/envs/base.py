@@ -1,0 +1,144 @@
+"""The environment contract: Gymnasium-style reset/step over text.
+
+    observation, info = env.reset(task)
+    result = env.step(action_text)   # StepResult(observation, reward,
+                                     #            terminated, truncated, info)
+    env.close()
+
+- `terminated`: the task really ended (its return is final).
+  `truncated`: a budget ran out first (its return is a lower bound). They are
+  never merged (DESIGN.md convention 4).
+- Errors are observations (convention 5): a malformed action, an unknown
+  tool, a tool exception or timeout comes back as an observation saying so
+  (with the configured format penalty); no exception escapes `step`.
+  `TextEnvironment.step` enforces that for every bundled environment.
+- Rewards are composed from named parts (`REWARD_PARTS`), reported in
+  `info["reward_parts"]` every step; the step reward is their sum.
+- Isolation (convention 6): one instance per episode; `reset` must fully
+  reset whatever state the instance holds.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import traceback
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+REWARD_PARTS = ("outcome", "format", "cost", "process")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  observation: str
+  reward: float
+  terminated: bool
+  truncated: bool
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One task instance. `prompt` is what the agent is told; `data` holds what
+  the environment needs to run and verify it (never shown to the agent)."""
+
+  task_id: str
+  prompt: str
+  data: dict[str, Any] = dataclasses.field(default_factory=dict)
+  level: int = 0  # difficulty, for curricula (e.g. 1-hop = 0, 2-hop = 1)
+
+
+@runtime_checkable
+class Environment(Protocol):
+
+  def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+    ...
+
+  def step(self, action: str) -> StepResult:
+    ...
+
+  def close(self) -> None:
+    ...
+
+
+class Expert(Protocol):
+  """A scripted policy for one episode: the next action text given the last
+  observation (the first call gets the reset observation)."""
+
+  def __call__(self, observation: str) -> str:
+    ...
+
+
+def reward_parts(**parts: float) -> dict[str, float]:
+  """A full parts dict (missing parts are 0); raises on unknown or non-finite."""
+  unknown = set(parts) - set(REWARD_PARTS)
+  if unknown:
+    raise ValueError(f"unknown reward parts {sorted(unknown)}; known: {REWARD_PARTS}")
+  out = {k: float(parts.get(k, 0.0)) for k in REWARD_PARTS}
+  if not all(math.isfinite(v) for v in out.values()):
+    raise ValueError(f"reward parts must be finite, got {out}")
+  return out
+
+
+class TextEnvironment(abc.ABC):
+  """Base class of the bundled environments.
+
+  Subclasses implement `_reset(task) -> observation` and
+  `_step(action) -> (observation, parts: dict, terminated, info)`, and set
+  `system_prompt` and `stop_strings` (the tool tags that end an action; the
+  rollout adds them to the sampler's stop sequences). This class turns any
+  exception in `_step` into an observation with the format penalty, sums
+  the reward parts and counts turns.
+
+  Classmethods every bundled environment provides: `tasks(split, n, seed)`
+  (splits "train" and "test" are disjoint) and `expert(task) -> Expert`.
+  """
+
+  system_prompt: str = ""
+  stop_strings: tuple[str, ...] = ()
+
+  def __init__(self, *, format_penalty: float = 0.0, step_cost: float = 0.0):
+    self.format_penalty = format_penalty
+    self.step_cost = step_cost
+    self.task: Task | None = None
+    self.turns = 0
+
+  def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+    self.task, self.turns = task, 0
+    return self._reset(task), {"task_id": task.task_id}
+
+  def step(self, action: str) -> StepResult:
+    if self.task is None:
+      raise RuntimeError("call reset(task) before step(action)")
+    self.turns += 1
+    try:
+      observation, parts, terminated, info = self._step(action)
+    except Exception as e:  # pylint: disable=broad-except
+      # Errors are observations: the episode goes on and the model learns
+      # from the message; the traceback stays in info for debugging.
+      observation = f"Error: {type(e).__name__}: {e}"
+      parts, terminated = {"format": -self.format_penalty}, False
+      info = {"tool_error": True, "traceback": traceback.format_exc(limit=3)}
+    parts = dict(parts)
+    parts["cost"] = parts.get("cost", 0.0) - self.step_cost
+    parts = reward_parts(**parts)
+    info = {"tool_call": False, "tool_error": False, **info, "reward_parts": parts,
+            "turn": self.turns}
+    return StepResult(observation, sum(parts.values()), bool(terminated), False, info)
+
+  def close(self) -> None:
+    self.task = None
+
+  def malformed(self, expected: Sequence[str]) -> tuple[str, dict, bool, dict]:
+    """The standard reply to an action with no recognised tool call."""
+    return (f"Invalid action. Use one of: {', '.join(expected)}.",
+            {"format": -self.format_penalty}, False, {"malformed": True})
+
+  @abc.abstractmethod
+  def _reset(self, task: Task) -> str:
+    """Resets all episode state; returns the task observation."""
+
+  @abc.abstractmethod
+  def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
+    """Returns (observation, reward parts, terminated, info)."""
