@@ -1,0 +1,349 @@
+"""RolloutEngine: many episodes at once on the sampler's slots.
+
+The loop (plain Python; only the sampler is jitted):
+
+  admit     new episodes take free slots; `env.reset` runs in the thread pool
+  collect   finished env calls: the prompt or the observation delta becomes
+            the slot's pending tokens (encoded once, never re-rendered)
+  feed      one `prefill` for new episodes, one `extend` for the others
+  act       one batched `decode` for every episode waiting for an action;
+            each action goes to its own environment in the thread pool
+
+Environment calls run concurrently in threads while the sampler keeps
+decoding for the episodes whose observations are back, so a slow tool does
+not idle the accelerator. Each episode gets its own environment instance
+from the factory (group members never share one).
+
+Each finished episode is recorded as a `Trajectory` whose ids are exactly
+what the sampler consumed and produced: SYSTEM = the prompt delta,
+ASSISTANT = the sampled tokens (stop sequence included) with their raw
+log-probs, OBSERVATION = the observation delta (wrapper and next assistant
+header included).
+
+Partial rollouts: with `token_budget`, `run` stops decoding once this call
+generated that many tokens; unfinished episodes (and finished members of
+unfinished groups) carry over to the next call. If the policy changed in
+between (`policy_version`), carried episodes re-prefill their whole context,
+since their cached keys/values came from the old weights; every turn records
+the policy version that sampled it.
+
+Expert mode (`run(..., expert=True)`) replaces the sampler with the
+environment's scripted expert: its action text is encoded once and recorded
+without log-probs, through the same bookkeeping (for SFT warm starts).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from agentrl_jax import tokenizer as tok_lib
+from agentrl_jax.envs.base import Environment, StepResult, Task
+from agentrl_jax.sampling import STOP_SEQUENCE, Sampler
+from agentrl_jax.trajectory import Role, Segment, Trajectory
+
+TRUNCATION_MARKER = " ...[truncated {} tokens]"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  max_turns: int = 8
+  max_action_tokens: int = 128  # per turn, at most the sampler's decode buffer
+  max_observation_tokens: int = 256  # longer observations are cut, with a marker
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  env_workers: int = 16  # threads stepping environments concurrently
+  system_prompt: str | None = None  # default: the environment's own
+
+
+@dataclasses.dataclass
+class _Episode:
+  task: Task
+  group: int
+  env: Environment
+  expert: Any = None
+  slot: int | None = None
+  segments: list = dataclasses.field(default_factory=list)
+  rewards: list = dataclasses.field(default_factory=list)
+  parts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  stop_reasons: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+  pending: list | None = None  # tokens to feed before the next action
+  fresh: bool = True  # pending starts the slot's context (prefill)
+  observation: str = ""  # last observation (the expert's input)
+  context: int = 0  # tokens in the slot's cache
+  tool_calls: int = 0
+  tool_errors: int = 0
+  env_time: float = 0.0
+  terminated: bool = False
+  truncated: bool = False
+  truncation: str | None = None
+  done: bool = False
+
+  def finish(self, *, terminated=False, truncated=False, reason=None):
+    self.terminated, self.truncated, self.truncation = terminated, truncated, reason
+    self.done = True
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  trajectories: list[Trajectory]  # complete groups, group members adjacent
+  metrics: dict[str, float]
+
+
+class RolloutEngine:
+  """Runs G rollouts per task through the sampler and the environments."""
+
+  def __init__(self, env_factory: Callable[[], Environment], tokenizer,
+               chat_format: tok_lib.ChatFormat, sampler: Sampler | None = None,
+               config: RolloutConfig = RolloutConfig(), *, seed: int = 0):
+    self.env_factory, self.tok, self.fmt = env_factory, tokenizer, chat_format
+    self.sampler, self.config = sampler, config
+    if sampler is not None and config.max_action_tokens > sampler.max_decode_length:
+      raise ValueError(f"max_action_tokens {config.max_action_tokens} > sampler "
+                       f"max_decode_length {sampler.max_decode_length}")
+    probe = env_factory()
+    self.system_prompt = (config.system_prompt if config.system_prompt is not None
+                          else getattr(probe, "system_prompt", ""))
+    self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
+    probe.close()
+    self.stops = chat_format.stop_sequences(tokenizer, extra=self.stop_strings)
+    self._state = sampler.init_state(seed) if sampler is not None else None
+    self._free = list(range(sampler.num_slots)) if sampler is not None else []
+    self._carry: list[_Episode] = []  # unfinished episodes (partial rollouts)
+    self._finished: list[_Episode] = []  # finished members of open groups
+    self._group_sizes: dict[int, int] = {}
+    self._group_ids = itertools.count()
+    self._version: int | None = None
+    self._pool = cf.ThreadPoolExecutor(config.env_workers)
+
+  def close(self):
+    self._pool.shutdown(wait=True)
+
+  # -- Public ----------------------------------------------------------------------
+
+  def run(self, tasks: Sequence[Task], group_size: int = 1, *,
+          policy_version: int = 0, token_budget: int | None = None,
+          expert: bool = False) -> RolloutResult:
+    """Rolls out `group_size` episodes per task (plus carried-over ones).
+
+    Returns the trajectories of every group that completed in this call.
+    """
+    if not expert and self.sampler is None:
+      raise ValueError("policy rollouts need a sampler (or pass expert=True)")
+    if expert and (self._carry or self._finished):
+      raise ValueError("finish carried-over policy rollouts before expert ones")
+    new = []
+    for task in tasks:
+      group = next(self._group_ids)
+      self._group_sizes[group] = group_size
+      for _ in range(group_size):
+        env = self.env_factory()
+        new.append(_Episode(task=task, group=group, env=env,
+                            expert=env.expert(task) if expert else None))
+    if self._version is not None and policy_version != self._version:
+      for ep in self._carry:  # cached KV came from the old weights
+        if ep.segments:  # (the pending observation is already a segment)
+          ep.pending = [t for s in ep.segments for t in s.token_ids]
+          ep.fresh = True
+    self._version = policy_version
+    stats = _Stats(num_slots=self.sampler.num_slots if self.sampler else 0)
+    active = self._loop(self._carry + new, expert, token_budget, stats)
+    self._carry = [ep for ep in active if not ep.done]
+    self._finished += [ep for ep in active if ep.done]
+    groups = collections.defaultdict(list)
+    for ep in self._finished:
+      groups[ep.group].append(ep)
+    complete = [g for g, eps in groups.items() if len(eps) == self._group_sizes[g]]
+    done = [ep for g in sorted(complete) for ep in groups[g]]
+    self._finished = [ep for ep in self._finished if ep.group not in complete]
+    for g in complete:
+      del self._group_sizes[g]
+    trajectories = [self._record(ep) for ep in done]
+    return RolloutResult(trajectories, stats.summary(trajectories))
+
+  # -- The loop ---------------------------------------------------------------------
+
+  def _loop(self, episodes: list[_Episode], expert: bool,
+            token_budget: int | None, stats: _Stats) -> list[_Episode]:
+    waiting = collections.deque(ep for ep in episodes if ep.slot is None)
+    running = [ep for ep in episodes if ep.slot is not None]
+    in_flight: dict[cf.Future, _Episode] = {}
+    generated = 0
+    budget_spent = False
+    while True:
+      while waiting and (expert or self._free) and not budget_spent:
+        ep = waiting.popleft()
+        ep.slot = -1 if expert else self._free.pop()
+        running.append(ep)
+        in_flight[self._pool.submit(self._timed, ep, ep.env.reset, ep.task)] = ep
+      ready = [ep for ep in running if not ep.done and ep.pending is not None]
+      if not ready and in_flight:
+        t0 = time.perf_counter()
+        done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
+        stats.env_wait += time.perf_counter() - t0
+      else:
+        done = [f for f in in_flight if f.done()]
+      for future in done:
+        self._collect(in_flight.pop(future), future.result())
+      ready = [ep for ep in running if not ep.done and ep.pending is not None]
+      for ep in [ep for ep in running if ep.done and ep.slot is not None]:
+        self._release(ep)
+      if budget_spent:
+        if not in_flight:
+          return running + list(waiting)
+        continue
+      if not ready:
+        if not in_flight and not waiting:
+          return running
+        continue
+      t0 = time.perf_counter()
+      actions = (self._expert_actions(ready) if expert
+                 else self._policy_actions(ready, stats))
+      stats.generation += time.perf_counter() - t0
+      for ep, (ids, logprobs, reason) in zip(ready, actions):
+        ep.segments.append(Segment(Role.ASSISTANT, ids, logprobs))
+        ep.stop_reasons.append(reason)
+        ep.versions.append(self._version)
+        ep.context += len(ids)
+        ep.pending = None
+        generated += len(ids)
+        text = self.tok.decode(ids)
+        in_flight[self._pool.submit(self._timed, ep, ep.env.step, text)] = ep
+      budget_spent = token_budget is not None and generated >= token_budget
+
+  @staticmethod
+  def _timed(ep: _Episode, fn, arg):
+    t0 = time.perf_counter()
+    try:
+      return fn(arg)
+    except Exception as e:  # pylint: disable=broad-except
+      if fn == ep.env.reset:  # a task that cannot start is a setup bug: raise
+        raise
+      # Errors are observations: one bad environment never kills the rollout.
+      return StepResult(f"Error: {type(e).__name__}: {e}", 0.0, False, False,
+                        {"tool_error": True})
+    finally:
+      ep.env_time += time.perf_counter() - t0
+
+  def _collect(self, ep: _Episode, result) -> None:
+    """An env call came back: queue its tokens or end the episode."""
+    if isinstance(result, tuple):  # reset -> (observation, info)
+      ep.observation = result[0]
+      ep.pending = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0])
+      ep.segments.append(Segment(Role.SYSTEM, ep.pending))
+      return
+    ep.rewards.append(result.reward)
+    ep.parts.update(result.info.get("reward_parts", {}))
+    ep.tool_calls += bool(result.info.get("tool_call"))
+    ep.tool_errors += bool(result.info.get("tool_error"))
+    if result.terminated or result.truncated:
+      ep.finish(terminated=result.terminated, truncated=result.truncated,
+                reason="env" if result.truncated else None)
+      return
+    if len(ep.rewards) >= self.config.max_turns:
+      ep.finish(truncated=True, reason="max_turns")
+      return
+    ep.observation = self._clip_observation(result.observation)
+    delta = self.fmt.observation_ids(self.tok, ep.observation,
+                                     ep.segments[-1].token_ids)
+    limit = self.sampler.cache_length if self.sampler else np.inf
+    if ep.context + len(delta) + 1 > limit:  # no room for another action
+      ep.finish(truncated=True, reason="context")
+      return
+    ep.segments.append(Segment(Role.OBSERVATION, delta))
+    ep.pending = delta
+
+  def _clip_observation(self, text: str) -> str:
+    ids = tok_lib.encode(self.tok, text)
+    budget = self.config.max_observation_tokens
+    if len(ids) <= budget:
+      return text
+    return self.tok.decode(ids[:budget]) + TRUNCATION_MARKER.format(len(ids) - budget)
+
+  def _release(self, ep: _Episode) -> None:
+    if self.sampler is not None and ep.slot >= 0:
+      self._free.append(ep.slot)
+    ep.slot = None
+    ep.env.close()
+
+  def _policy_actions(self, ready: list[_Episode], stats: _Stats):
+    sampler = self.sampler
+    groups = {fresh: [ep for ep in ready if ep.fresh == fresh] for fresh in (True, False)}
+    for fresh, feed in groups.items():
+      if feed:
+        call = sampler.prefill if fresh else sampler.extend
+        self._state = call(self._state, [ep.slot for ep in feed],
+                           [ep.pending for ep in feed])
+      for ep in feed:
+        ep.context = len(ep.pending) if fresh else ep.context + len(ep.pending)
+        ep.fresh = False
+    room = [min(self.config.max_action_tokens, sampler.cache_length - ep.context)
+            for ep in ready]
+    cfg = self.config
+    self._state, actions = sampler.decode(
+        self._state, [ep.slot for ep in ready], stop_sequences=self.stops,
+        max_new_tokens=room, temperature=cfg.temperature, top_k=cfg.top_k,
+        top_p=cfg.top_p)
+    stats.decode_calls += 1
+    stats.occupancy += len(ready) / sampler.num_slots
+    return [(actions[ep.slot].tokens, actions[ep.slot].raw_logprobs,
+             actions[ep.slot].stop_reason) for ep in ready]
+
+  def _expert_actions(self, ready: list[_Episode]):
+    out = []
+    for ep in ready:
+      ids = tok_lib.encode(self.tok, ep.expert(ep.observation))
+      out.append((ids, None, STOP_SEQUENCE))
+    return out
+
+  def _record(self, ep: _Episode) -> Trajectory:
+    return Trajectory(
+        segments=ep.segments, reward=float(sum(ep.rewards)),
+        turn_rewards=list(ep.rewards), terminated=ep.terminated,
+        truncated=ep.truncated,
+        metadata={
+            "task_id": ep.task.task_id, "level": ep.task.level,
+            "group_id": ep.group, "n_turns": len(ep.rewards),
+            "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors,
+            "stop_reasons": ep.stop_reasons, "policy_versions": ep.versions,
+            "reward_parts": dict(ep.parts), "env_time": ep.env_time,
+            "truncation": ep.truncation,
+            "success": bool(ep.terminated and ep.parts.get("outcome", 0.0) > 0),
+        })
+
+
+@dataclasses.dataclass
+class _Stats:
+  num_slots: int
+  env_wait: float = 0.0
+  generation: float = 0.0
+  decode_calls: int = 0
+  occupancy: float = 0.0
+
+  def summary(self, trajs: list[Trajectory]) -> dict[str, float]:
+    n = max(len(trajs), 1)
+    turns = [t.metadata["n_turns"] for t in trajs] or [0]
+    calls = sum(t.metadata["tool_calls"] for t in trajs)
+    return {
+        "episodes": float(len(trajs)),
+        "turns_mean": float(np.mean(turns)), "turns_max": float(np.max(turns)),
+        "action_tokens_mean": float(np.mean(
+            [sum(len(s) for s in t.segments if s.role == Role.ASSISTANT)
+             for t in trajs] or [0])),
+        "terminated_frac": sum(t.terminated for t in trajs) / n,
+        "truncated_frac": sum(t.truncated for t in trajs) / n,
+        "success_frac": sum(t.metadata["success"] for t in trajs) / n,
+        "reward_mean": float(np.mean([t.reward for t in trajs] or [0.0])),
+        "tool_calls_per_turn": calls / max(sum(turns), 1),
+        "tool_error_rate": sum(t.metadata["tool_errors"] for t in trajs) / max(calls, 1),
+        "env_wait_s": self.env_wait, "generation_s": self.generation,
+        "slot_occupancy": self.occupancy / max(self.decode_calls, 1),
+    }

@@ -1,0 +1,178 @@
+"""RolloutEngine on toy environments: ids, masks, isolation, budgets, seams."""
+
+import threading
+
+from flax import nnx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agentrl_jax import losses, models
+from agentrl_jax import tokenizer as T
+from agentrl_jax.envs import StepResult, Task
+from agentrl_jax.rollout import RolloutConfig, RolloutEngine
+from agentrl_jax.sampling import Sampler
+from agentrl_jax.trajectory import Role, collate
+
+
+class CountdownEnv:
+  """Ends after task.data["steps"] steps; reward 1 per action; records all."""
+
+  system_prompt = "Say anything."
+  stop_strings = ("</done>",)
+  instances = []
+  lock = threading.Lock()
+
+  def __init__(self, suffix=""):
+    self.suffix, self.seen = suffix, []
+    with self.lock:
+      CountdownEnv.instances.append(self)
+
+  def reset(self, task):
+    self.task, self.left = task, task.data["steps"]
+    self.seen.append(("reset", task.task_id))
+    return f"Task {task.task_id}: go.", {}
+
+  def step(self, action):
+    self.seen.append(("step", action))
+    self.left -= 1
+    if action.startswith("boom"):
+      raise RuntimeError("tool crashed")
+    obs = f"You said {len(action)} chars; {self.left} left{self.suffix}"
+    return StepResult(obs, 1.0, self.left <= 0, False,
+                      {"tool_call": True, "reward_parts": {"outcome": 1.0}})
+
+  def close(self):
+    pass
+
+  @classmethod
+  def expert(cls, task):
+    return lambda observation: "wer</done>"
+
+
+def _tasks(n, steps=(1, 2, 3, 4)):
+  return [Task(f"t{i}", f"task {i}", {"steps": steps[i % len(steps)]}) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return T.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+  return Sampler(model, num_slots=4, cache_length=256, max_decode_length=16,
+                 length_buckets=(16, 32, 64))
+
+
+def test_rollout_ids_logprobs_masks_and_isolation(tok, model, sampler):
+  CountdownEnv.instances.clear()
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=12))
+  result = engine.run(_tasks(3), group_size=3)  # 9 episodes on 4 slots
+  trajs = result.trajectories
+  assert len(trajs) == 9
+  assert [t.metadata["group_id"] for t in trajs] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+  # Turn budgets: task steps 1, 2, 3 with max_turns 3: all terminate.
+  assert [t.num_turns for t in trajs] == [1] * 3 + [2] * 3 + [3] * 3
+  assert all(t.terminated and not t.truncated for t in trajs)
+  # Re-scoring the flattened trajectories gives the rollout's log-probs.
+  batch = collate(trajs, buckets=(128, 256))
+  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                 jnp.asarray(batch.seq_ids))
+  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
+  on = batch.loss_mask > 0
+  np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
+  # Masks cover exactly the sampled tokens: what each env received, decoded.
+  envs = [e for e in CountdownEnv.instances if e.seen]
+  assert len(envs) == 9, "one environment instance per episode"
+  by_task = {}
+  for e in envs:
+    assert sum(kind == "reset" for kind, _ in e.seen) == 1
+    by_task.setdefault(e.seen[0][1], []).append([a for k, a in e.seen if k == "step"])
+  for t in trajs:
+    actions = [tok.decode(s.token_ids) for s in t.segments if s.role == Role.ASSISTANT]
+    assert actions in by_task[t.metadata["task_id"]]
+    by_task[t.metadata["task_id"]].remove(actions)
+  m = result.metrics
+  assert m["episodes"] == 9 and m["turns_mean"] == 2.0 and m["terminated_frac"] == 1.0
+  assert 0 < m["slot_occupancy"] <= 1.0
+
+
+def test_budgets_errors_and_truncation(tok, sampler):
+  engine = RolloutEngine(lambda: CountdownEnv(suffix=" x" * 200), tok, T.REACT, sampler,
+                         RolloutConfig(max_turns=2, max_action_tokens=8,
+                                       max_observation_tokens=10))
+  trajs = engine.run(_tasks(2, steps=(5,)), group_size=1).trajectories
+  for t in trajs:
+    assert t.truncated and not t.terminated and t.metadata["truncation"] == "max_turns"
+    assert t.num_turns == 2
+    assert all(len(s) <= 8 for s in t.segments if s.role == Role.ASSISTANT)
+    obs = [tok.decode(s.token_ids) for s in t.segments if s.role == Role.OBSERVATION]
+    assert len(obs) == 1 and "...[truncated" in obs[0]
+
+
+def test_expert_mode_and_the_bpe_seam(tok):
+  """Observations end in 'ans', the next action starts with 'wer': re-encoding
+  the text would merge them; the recorded ids must be the deltas."""
+  seam = T.ChatFormat(name="seam", prompt="{system}\n{task}\n",
+                      observation="\nObs: {observation}", end_of_turn="", stops=())
+  engine = RolloutEngine(lambda: CountdownEnv(suffix=" ans"), tok, seam,
+                         config=RolloutConfig(max_turns=4))
+  trajs = engine.run(_tasks(2, steps=(3,)), group_size=2, expert=True).trajectories
+  assert len(trajs) == 4
+  for t in trajs:
+    ids, mask = t.flatten()
+    deltas = []
+    for seg in t.segments:
+      deltas += list(seg.token_ids)
+      if seg.role == Role.ASSISTANT:
+        assert list(seg.token_ids) == T.encode(tok, "wer</done>")
+        assert seg.logprobs is None
+    assert list(ids) == deltas
+    assert T.encode(tok, tok.decode(ids)) != list(ids), "the seam must merge"
+    assert t.terminated and t.num_turns == 3
+
+
+def test_tool_exceptions_become_observations(tok):
+  class Crashy(CountdownEnv):
+    @classmethod
+    def expert(cls, task):
+      return lambda observation: "boom</done>"
+
+  engine = RolloutEngine(Crashy, tok, T.REACT, config=RolloutConfig(max_turns=2))
+  (t,) = engine.run(_tasks(1, steps=(5,)), expert=True).trajectories
+  obs = tok.decode([i for s in t.segments if s.role == Role.OBSERVATION for i in s.token_ids])
+  assert "Error: RuntimeError: tool crashed" in obs
+  assert t.metadata["tool_errors"] == 2 and t.truncated
+
+
+def test_partial_rollouts_carry_over_and_reprefill(tok, model, sampler):
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=4, max_action_tokens=8))
+  first = engine.run(_tasks(2, steps=(4,)), group_size=2, token_budget=8,
+                     policy_version=0)
+  assert first.trajectories == []  # nobody can finish 4 turns on 8 tokens
+  seen = []
+  for version in (1, 2, 3, 4, 5):
+    seen += engine.run([], policy_version=version).trajectories
+    if len(seen) == 4:
+      break
+  assert len(seen) == 4
+  versions = [t.metadata["policy_versions"] for t in seen]
+  assert all(len(v) == 4 and v == sorted(v) for v in versions)
+  assert any(v[0] == 0 for v in versions), "the budget cut a version-0 episode"
+  assert any(len(set(v)) > 1 for v in versions), "episodes span policy versions"
+  # After the weight change the carried episodes were re-prefilled: the
+  # current model re-scores them exactly (same weights here, new cache).
+  batch = collate(seen, buckets=(256,))
+  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                 jnp.asarray(batch.seq_ids))
+  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
+  on = batch.loss_mask > 0
+  np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
