@@ -60,6 +60,13 @@ class RolloutConfig:
   top_k: int = 0
   top_p: float = 1.0
   env_workers: int = 16  # threads stepping environments concurrently
+  # Decode at most this many episodes per call (None: all that are ready).
+  # Smaller calls let decoding of one cohort overlap the tool calls of
+  # another when environments are slow.
+  max_decode_batch: int | None = None
+  # Before a decode, wait up to this long for env calls still in flight, so
+  # fast tools join the batch instead of trickling into many small decodes.
+  batch_wait_s: float = 0.005
   system_prompt: str | None = None  # default: the environment's own
 
 
@@ -127,6 +134,12 @@ class RolloutEngine:
   def close(self):
     self._pool.shutdown(wait=True)
 
+  def warmup(self) -> None:
+    """Compiles every sampler shape up front (see `Sampler.warmup`)."""
+    if self._carry or self._finished:
+      raise ValueError("warm up before rolling out, not between partial rollouts")
+    self._state = self.sampler.warmup(self._state)
+
   # -- Public ----------------------------------------------------------------------
 
   def run(self, tasks: Sequence[Task], group_size: int = 1, *,
@@ -185,12 +198,12 @@ class RolloutEngine:
         running.append(ep)
         in_flight[self._pool.submit(self._timed, ep, ep.env.reset, ep.task)] = ep
       ready = [ep for ep in running if not ep.done and ep.pending is not None]
+      t0 = time.perf_counter()
       if not ready and in_flight:
-        t0 = time.perf_counter()
         done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
-        stats.env_wait += time.perf_counter() - t0
       else:
-        done = [f for f in in_flight if f.done()]
+        done, _ = cf.wait(in_flight, timeout=self.config.batch_wait_s)
+      stats.env_wait += time.perf_counter() - t0
       for future in done:
         self._collect(in_flight.pop(future), future.result())
       ready = [ep for ep in running if not ep.done and ep.pending is not None]
@@ -204,6 +217,7 @@ class RolloutEngine:
         if not in_flight and not waiting:
           return running
         continue
+      ready = ready[:self.config.max_decode_batch]
       t0 = time.perf_counter()
       actions = (self._expert_actions(ready) if expert
                  else self._policy_actions(ready, stats))

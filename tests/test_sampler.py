@@ -168,12 +168,14 @@ def test_no_recompilation_across_turns_and_episodes(model):
   # Slots released and reused mid-run, other slots untouched.
   state = sampler.release(state, [1])
   state = sampler.prefill(state, [1, 2, 0], [[1, 2], [3, 4, 5, 6, 7], [9]])
-  state, _ = sampler.decode(state, [1, 2], max_new_tokens=3)
+  state, _ = sampler.decode(state, [1, 2, 0], max_new_tokens=3)
   assert dict(sampler.compile_counts) == counts
   # Touching 2 slots is a new row bucket (1, 2, 4 rows): one compile, once.
   state = sampler.extend(state, [1, 2], [[1], [2, 3]])
+  state, _ = sampler.decode(state, [1, 2], max_new_tokens=3)
   state = sampler.extend(state, [0, 3], [[4, 5, 6], [7]])
-  assert dict(sampler.compile_counts) == {"extend": 2, "decode": 1}
+  state, _ = sampler.decode(state, [3, 0], max_new_tokens=2)
+  assert dict(sampler.compile_counts) == {"extend": 2, "decode": 2}
 
 
 def test_cache_full_and_input_errors(model):

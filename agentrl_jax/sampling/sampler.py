@@ -16,8 +16,11 @@ granularity).
 
 Static shapes: the number of slots B, cache length S and decode buffer T are
 fixed at construction; prompt/extension lengths are padded to
-`length_buckets` and the number of slots touched by one prefill/extend to a
-power of two. `compile_counts` counts traces per entry point.
+`length_buckets`, and the slots touched by one call are gathered into a
+sub-batch padded to a power of two (so decoding 3 live episodes costs a
+4-row decode, not a B-row one). At most (log2 B + 1) x len(length_buckets)
+extend and (log2 B + 1) decode programs are ever compiled;
+`compile_counts` counts traces per entry point.
 
 Log-probs: `decode` reports, per sampled token, `raw_logprobs` (the policy
 itself at temperature 1, no filtering: what `losses.token_logprobs`
@@ -105,6 +108,20 @@ class Sampler:
         next_logits=jnp.zeros((b, self.cfg.vocab_size), jnp.float32),
         rng=jax.random.key(seed))
 
+  def warmup(self, state: SamplerState) -> SamplerState:
+    """Compiles every extend and decode shape now rather than mid-run.
+
+    Runs each (row bucket, length bucket) once on dummy tokens and releases
+    all slots afterwards: call it on a fresh state.
+    """
+    rows = sorted({self._row_bucket(n) for n in range(1, self.num_slots + 1)})
+    for r in rows:
+      slots = list(range(r))
+      for length in self.length_buckets:
+        state = self.prefill(state, slots, [[0] * min(length, self.cache_length - 1)] * r)
+      state, _ = self.decode(state, slots, max_new_tokens=1)
+    return self.release(state, list(range(self.num_slots)))
+
   # -- Host entry points -----------------------------------------------------------
 
   def prefill(self, state: SamplerState, slots: Sequence[int],
@@ -141,7 +158,7 @@ class Sampler:
     for start in range(0, max(t.size for t in lists), chunk):
       part = [(s, t[start:start + chunk]) for s, t in zip(slots, lists)
               if t.size > start]
-      rows = min(1 << (len(part) - 1).bit_length(), self.num_slots)
+      rows = self._row_bucket(len(part))
       width = bucket_length(max(t.size for _, t in part), self.length_buckets)
       slot_idx = np.full(rows, self.num_slots, np.int32)  # padding rows: dropped
       tokens = np.zeros((rows, width), np.int32)
@@ -171,37 +188,39 @@ class Sampler:
     """
     slots = [int(s) for s in slots]
     self._check_slots(slots, len(slots))
-    b = self.num_slots
-    budget = np.full(b, self.max_decode_length if max_new_tokens is None else 0, np.int32)
-    if max_new_tokens is not None:
-      budget[slots] = np.broadcast_to(np.asarray(max_new_tokens), (len(slots),))
+    rows = self._row_bucket(len(slots))
+
+    def per_row(x, dtype, pad=0):
+      out = np.full(rows, pad, dtype)
+      out[:len(slots)] = np.broadcast_to(np.asarray(x, dtype), (len(slots),))
+      return out
+
+    budget = per_row(self.max_decode_length if max_new_tokens is None
+                     else max_new_tokens, np.int32)
     if budget.max() > self.max_decode_length:
       raise ValueError(f"max_new_tokens {budget.max()} > max_decode_length "
                        f"{self.max_decode_length}")
-    active = np.zeros(b, bool)
-    active[slots] = True
-
-    def per_slot(x, dtype):
-      out = np.zeros(b, dtype)
-      out[slots] = np.broadcast_to(np.asarray(x, dtype), (len(slots),))
-      return out
-
+    slot_idx = per_row(slots, np.int32, pad=self.num_slots)  # padding: dropped
     sampling = SamplingParams(
-        temperature=per_slot(temperature, np.float32),
-        top_k=per_slot(top_k, np.int32), top_p=per_slot(top_p, np.float32))
+        temperature=per_row(temperature, np.float32),
+        top_k=per_row(top_k, np.int32), top_p=per_row(top_p, np.float32, pad=1.0))
     table = stops_lib.StopTable.make(stop_sequences, self.max_stop_sequences,
                                      self.max_stop_length)
-    state, out = self._decode_jit(self.params, state, active, budget, table, sampling)
+    state, out = self._decode_jit(self.params, state, slot_idx, budget, table, sampling)
     out = jax.device_get(out)
     actions = {}
-    for s in slots:
-      n = int(out.num_tokens[s])
+    for r, s in enumerate(slots):
+      n = int(out.num_tokens[r])
       actions[s] = Action(
-          tokens=out.tokens[s, :n].tolist(),
-          raw_logprobs=out.raw_logprobs[s, :n].tolist(),
-          sampled_logprobs=out.sampled_logprobs[s, :n].tolist(),
-          stop_reason=int(out.stop_reason[s]))
+          tokens=out.tokens[r, :n].tolist(),
+          raw_logprobs=out.raw_logprobs[r, :n].tolist(),
+          sampled_logprobs=out.sampled_logprobs[r, :n].tolist(),
+          stop_reason=int(out.stop_reason[r]))
     return state, actions
+
+  def _row_bucket(self, n: int) -> int:
+    """Rows for a call touching n slots: the next power of two (<= B)."""
+    return min(1 << (n - 1).bit_length(), self.num_slots)
 
   def _check_slots(self, slots, n):
     if len(slots) != n:
@@ -232,11 +251,19 @@ class Sampler:
         cache=cache, lengths=put(state.lengths, start + n_new),
         next_logits=put(state.next_logits, logits))
 
-  def _decode_impl(self, params, state, active, budget, table, sampling):
+  def _decode_impl(self, params, state, slot_idx, budget, table, sampling):
     self.compile_counts["decode"] += 1  # runs only while tracing
     model = nnx.merge(self.graphdef, params)
-    b, t_max, s_len = self.num_slots, self.max_decode_length, self.cache_length
-    live = active & (budget > 0) & (state.lengths < s_len)
+    t_max, s_len = self.max_decode_length, self.cache_length
+    # Decode on the requested slots only (gathered into a power-of-two
+    # sub-batch), so the cost follows the live episodes, not the slot count.
+    rows = jnp.minimum(slot_idx, self.num_slots - 1)
+    b = slot_idx.shape[0]
+    sub = state.replace(
+        cache=KVCache(k=tuple(k[rows] for k in state.cache.k),
+                      v=tuple(v[rows] for v in state.cache.v)),
+        lengths=state.lengths[rows], next_logits=state.next_logits[rows])
+    live = (slot_idx < self.num_slots) & (budget > 0) & (sub.lengths < s_len)
     buffers = _DecodeBuffers(
         tokens=jnp.zeros((b, t_max), jnp.int32),
         raw_logprobs=jnp.zeros((b, t_max), jnp.float32),
@@ -250,20 +277,20 @@ class Sampler:
       return (step < t_max) & jnp.any(live)
 
     def body(carry):
-      step, state, out, live, tail = carry
-      rng, key = jax.random.split(state.rng)
-      token, raw, sampled = sample(key, state.next_logits, sampling)
-      # Every live slot has generated exactly `step` tokens so far.
+      step, sub, out, live, tail = carry
+      rng, key = jax.random.split(sub.rng)
+      token, raw, sampled = sample(key, sub.next_logits, sampling)
+      # Every live row has generated exactly `step` tokens so far.
       out = out.replace(
           tokens=out.tokens.at[:, step].set(jnp.where(live, token, 0)),
           raw_logprobs=out.raw_logprobs.at[:, step].set(jnp.where(live, raw, 0.0)),
           sampled_logprobs=out.sampled_logprobs.at[:, step].set(
               jnp.where(live, sampled, 0.0)))
       # Feed the token (stop tokens too: they are context for the next turn).
-      positions = jnp.where(live, state.lengths, s_len)[:, None]
-      hidden, cache = model.hidden_states(token[:, None], positions, cache=state.cache)
+      positions = jnp.where(live, sub.lengths, s_len)[:, None]
+      hidden, cache = model.hidden_states(token[:, None], positions, cache=sub.cache)
       logits = model.logits(hidden[:, 0]).astype(jnp.float32)
-      lengths = state.lengths + live
+      lengths = sub.lengths + live
       count = out.num_tokens + live
       tail = jnp.where(live[:, None], stops_lib.push(tail, token), tail)
       hit_stop = live & stops_lib.matches(tail, table)
@@ -271,12 +298,18 @@ class Sampler:
       hit_full = live & (lengths >= s_len)
       reason = jnp.where(hit_stop, STOP_SEQUENCE, jnp.where(
           hit_budget, STOP_BUDGET, jnp.where(hit_full, STOP_CACHE_FULL, out.stop_reason)))
-      state = state.replace(
+      sub = sub.replace(
           cache=cache, lengths=lengths, rng=rng,
-          next_logits=jnp.where(live[:, None], logits, state.next_logits))
+          next_logits=jnp.where(live[:, None], logits, sub.next_logits))
       out = out.replace(num_tokens=count, stop_reason=reason)
-      return step + 1, state, out, live & ~(hit_stop | hit_budget | hit_full), tail
+      return step + 1, sub, out, live & ~(hit_stop | hit_budget | hit_full), tail
 
-    _, state, out, _, _ = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), state, buffers, live, tail))
+    _, sub, out, _, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), sub, buffers, live, tail))
+    put = lambda full, part: full.at[slot_idx].set(part, mode="drop")
+    state = state.replace(
+        cache=KVCache(k=tuple(map(put, state.cache.k, sub.cache.k)),
+                      v=tuple(map(put, state.cache.v, sub.cache.v))),
+        lengths=put(state.lengths, sub.lengths),
+        next_logits=put(state.next_logits, sub.next_logits), rng=sub.rng)
     return state, out
