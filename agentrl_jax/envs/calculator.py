@@ -1,0 +1,228 @@
+"""Calculator: arithmetic word problems solved with a safe calculator tool.
+
+Problems are templated with 2- and 3-digit numbers so that the arithmetic
+wants the tool; level = number of calculator steps - 1 (a level-2 problem
+chains three steps, each feeding the next). The tool parses the expression
+with `ast` and evaluates numbers and + - * / // % ** only: no names, calls or
+attributes can run, and exponents and magnitudes are bounded so no
+expression can eat the CPU or memory.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import math
+import operator
+import random
+import re
+from typing import Any, Callable
+
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment
+
+SPLITS = ("train", "test")
+MAX_EXPRESSION_CHARS = 200  # also bounds the recursion depth of `_evaluate`
+MAX_EXPONENT = 100
+MAX_ABS = 1e15
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
+              ast.Mod: operator.mod, ast.Pow: operator.pow}
+_USAGE = ("<calc>expression</calc>", "<answer>number</answer>")
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
+
+
+class CalcError(ValueError):
+  """An expression the calculator refuses or cannot evaluate."""
+
+
+def safe_eval(expression: str) -> int | float:
+  """Evaluates an arithmetic expression without `eval`; raises CalcError."""
+  if len(expression) > MAX_EXPRESSION_CHARS:
+    raise CalcError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+  try:
+    tree = ast.parse(expression.strip(), mode="eval")
+  except (SyntaxError, ValueError) as e:
+    raise CalcError(f"invalid expression ({type(e).__name__})") from e
+  return _evaluate(tree.body)
+
+
+def _evaluate(node: ast.AST) -> int | float:
+  if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    value = node.value
+  elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+    operand = _evaluate(node.operand)
+    value = -operand if isinstance(node.op, ast.USub) else operand
+  elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+    left, right = _evaluate(node.left), _evaluate(node.right)
+    if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+      raise CalcError(f"exponent larger than {MAX_EXPONENT}")
+    try:
+      value = _OPERATORS[type(node.op)](left, right)
+    except ZeroDivisionError as e:
+      raise CalcError("division by zero") from e
+    except OverflowError as e:
+      raise CalcError("result too large") from e
+  else:
+    raise CalcError(f"only numbers, parentheses and + - * / // % ** are allowed, "
+                    f"not {type(node).__name__}")
+  if isinstance(value, complex):  # e.g. (-8) ** 0.5
+    raise CalcError("complex result")
+  if not math.isfinite(value) or abs(value) > MAX_ABS:
+    raise CalcError(f"result larger than {MAX_ABS:g} in magnitude")
+  return value
+
+
+def format_number(value: int | float) -> str:
+  """Integral floats print as integers (84 / 2 = 42, not 42.0)."""
+  if isinstance(value, float) and value.is_integer():
+    return str(int(value))
+  return str(value) if isinstance(value, int) else f"{value:.12g}"
+
+
+def _parse_number(text: str) -> float | None:
+  try:
+    return float(text.strip().replace(",", ""))
+  except ValueError:
+    return None
+
+
+# Templates: rng -> (problem text, calculator steps). Steps hold the concrete
+# intermediate results, as the agent would see them in the observations.
+def _bakery(r: random.Random) -> tuple[str, list[str]]:
+  a, b = r.randint(12, 99), r.randint(12, 99)
+  return (f"A bakery bakes {a} loaves every day. How many loaves does it bake "
+          f"in {b} days?", [f"{a} * {b}"])
+
+
+def _library(r: random.Random) -> tuple[str, list[str]]:
+  a = r.randint(1000, 9999)
+  b = r.randint(100, a - 1)
+  return (f"A library had {a} books and lent out {b} of them. How many books "
+          f"are still in the library?", [f"{a} - {b}"])
+
+
+def _stickers(r: random.Random) -> tuple[str, list[str]]:
+  children, each = r.randint(12, 60), r.randint(12, 99)
+  return (f"{children * each} stickers are shared equally among {children} "
+          f"children. How many stickers does each child get?",
+          [f"{children * each} / {children}"])
+
+
+def _shop(r: random.Random) -> tuple[str, list[str]]:
+  boxes, per_box = r.randint(12, 60), r.randint(6, 24)
+  sold = boxes * per_box
+  stock = sold + r.randint(10, 500)
+  return (f"A shop has {stock} apples. It sells {boxes} boxes of {per_box} "
+          f"apples each. How many apples are left?",
+          [f"{boxes} * {per_box}", f"{stock} - {sold}"])
+
+
+def _train(r: random.Random) -> tuple[str, list[str]]:
+  carriages, seats = r.randint(6, 30), r.randint(40, 90)
+  total = carriages * seats
+  empty = r.randint(10, total - 1)
+  return (f"A train has {carriages} carriages with {seats} seats each. {empty} "
+          f"seats are empty. How many passengers are seated?",
+          [f"{carriages} * {seats}", f"{total} - {empty}"])
+
+
+def _crates(r: random.Random) -> tuple[str, list[str]]:
+  rows, trees, apples = r.randint(11, 40), r.randint(11, 40), r.randint(20, 90)
+  crate = r.choice((6, 8, 12, 15, 24))
+  total = rows * trees * apples
+  return (f"An orchard has {rows} rows of {trees} trees. Each tree gives "
+          f"{apples} apples, packed in crates of {crate}. How many crates can be "
+          f"filled completely?",
+          [f"{rows} * {trees}", f"{rows * trees} * {apples}", f"{total} // {crate}"])
+
+
+def _school(r: random.Random) -> tuple[str, list[str]]:
+  a, b, c, d = (r.randint(12, 99) for _ in range(4))
+  return (f"A school buys {a} packs of {b} pencils and {c} packs of {d} pens. "
+          f"How many pencils and pens does it buy in total?",
+          [f"{a} * {b}", f"{c} * {d}", f"{a * b} + {c * d}"])
+
+
+# level (= steps - 1) -> templates.
+_TEMPLATES: dict[int, tuple[Callable[[random.Random], tuple[str, list[str]]], ...]] = {
+    0: (_bakery, _library, _stickers), 1: (_shop, _train), 2: (_crates, _school)}
+
+
+class CalculatorEnv(TextEnvironment):
+  """Word problems; `<calc>expr</calc>` evaluates, `<answer>n</answer>` ends.
+
+  Args:
+    tolerance: an answer is correct if |answer - gold| <= tolerance *
+      max(1, |gold|).
+  """
+
+  system_prompt = (
+      "Solve the arithmetic word problem. Do every calculation with the "
+      "calculator: write <calc>expression</calc> using numbers, parentheses "
+      "and + - * / // % ** and the result comes back. When you have the final "
+      "result, write <answer>number</answer>. You may reason first inside "
+      "<think>...</think>.")
+  stop_strings = ("</calc>", "</answer>")
+
+  def __init__(self, *, tolerance: float = 1e-6, format_penalty: float = 0.0,
+               step_cost: float = 0.0):
+    super().__init__(format_penalty=format_penalty, step_cost=step_cost)
+    self.tolerance = tolerance
+
+  @classmethod
+  def tasks(cls, split: str, n: int, seed: int, *,
+            levels: tuple[int, ...] = (0, 1, 2)) -> list[Task]:
+    """`n` distinct problems of `split` (a hash partition of the problem
+    text: about 1 in 5 is a test problem), levels drawn uniformly."""
+    if split not in SPLITS:
+      raise ValueError(f"unknown split {split!r}; known: {SPLITS}")
+    unknown = set(levels) - set(_TEMPLATES)
+    if unknown or not levels:
+      raise ValueError(f"unknown levels {sorted(unknown)}; known: {sorted(_TEMPLATES)}")
+    rng = random.Random(seed)
+    out, seen = [], set()
+    for _ in range(100 * n + 1000):  # generous: each draw succeeds ~1 in 5
+      if len(out) == n:
+        break
+      text, steps = rng.choice(_TEMPLATES[rng.choice(levels)])(rng)
+      digest = hashlib.sha256(text.encode()).hexdigest()
+      if digest in seen or (int(digest, 16) % 5 == 0) != (split == "test"):
+        continue
+      seen.add(digest)
+      out.append(Task(f"calc/{digest[:16]}", text,
+                      {"answer": int(safe_eval(steps[-1])), "steps": tuple(steps)},
+                      len(steps) - 1))
+    if len(out) < n:
+      raise ValueError(f"found only {len(out)} of {n} distinct {split} tasks for levels {levels}")
+    return out
+
+  @classmethod
+  def expert(cls, task: Task) -> Expert:
+    """Runs each step on the calculator, then answers."""
+    actions = iter([f"<calc>{s}</calc>" for s in task.data["steps"]]
+                   + [f"<answer>{format_number(task.data['answer'])}</answer>"])
+    return lambda observation: next(actions)
+
+  def _reset(self, task: Task) -> str:
+    return f"Problem: {task.prompt}"
+
+  def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
+    match = _TOOL.search(_THINK.sub("", action))
+    if match is None or match.group(1) not in ("calc", "answer"):
+      observation, parts, done, info = self.malformed(_USAGE)
+      if match is not None:
+        observation = f"Unknown tool <{match.group(1)[:40]}>. {observation}"
+      return observation, parts, done, info
+    tool, argument = match.group(1), match.group(2).strip()
+    if tool == "answer":
+      gold, value = self.task.data["answer"], _parse_number(argument)
+      correct = value is not None and abs(value - gold) <= self.tolerance * max(1.0, abs(gold))
+      return ("Correct." if correct else "Incorrect.", {"outcome": float(correct)}, True,
+              {"correct": correct})
+    try:
+      result = safe_eval(argument)
+    except CalcError as e:
+      return (f"Error: {e}.", {"format": -self.format_penalty}, False,
+              {"tool_call": True, "tool_error": True})
+    return f"{argument} = {format_number(result)}", {}, False, {"tool_call": True}

@@ -1,0 +1,177 @@
+"""FrozenLake as text: gymnasium's FrozenLake with a new map per task.
+
+Each turn the grid is drawn as rows of S F H G with `@` at the agent, plus
+"You are at row r, column c." (1-based, row 1 at the top). The agent answers
+`<move>left|down|right|up</move>`. Dynamics are gymnasium's own (optionally
+slippery), seeded per task so an episode replays exactly.
+
+Rewards: outcome 1.0 on reaching G (0 on a hole); with `shaped_reward > 0`,
+each move also earns shaped_reward x (decrease of the shortest-path distance
+to G; negative when it grows) as "process" reward, so credit-assignment
+studies get a per-turn signal.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import random
+import re
+from typing import Any, Sequence
+
+from gymnasium.envs.toy_text import frozen_lake
+
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment
+
+SPLITS = ("train", "test")
+MOVES = ("left", "down", "right", "up")  # gymnasium's action ids 0..3
+_DELTAS = ((0, -1), (1, 0), (0, 1), (-1, 0))
+_USAGE = tuple(f"<move>{m}</move>" for m in MOVES)
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
+_POSITION = re.compile(r"You are at row (\d+), column (\d+)\.")
+_PROMPT = "Walk from S to G across the frozen lake without falling into a hole (H)."
+
+
+def _distances(desc: Sequence[str]) -> dict[tuple[int, int], int]:
+  """Shortest-path distance to G from every cell that can reach it (BFS
+  backwards from G through non-hole cells)."""
+  size = len(desc)
+  goal = next((r, c) for r in range(size) for c in range(size) if desc[r][c] == "G")
+  dist, queue = {goal: 0}, collections.deque([goal])
+  while queue:
+    r, c = queue.popleft()
+    for dr, dc in _DELTAS:
+      cell = (r + dr, c + dc)
+      if (0 <= cell[0] < size and 0 <= cell[1] < size and cell not in dist
+          and desc[cell[0]][cell[1]] != "H"):
+        dist[cell] = dist[(r, c)] + 1
+        queue.append(cell)
+  return dist
+
+
+def _neighbour(cell: tuple[int, int], move: int, size: int) -> tuple[int, int]:
+  """Where `move` leads from `cell` (walls keep you in place, as in gymnasium)."""
+  r, c = cell[0] + _DELTAS[move][0], cell[1] + _DELTAS[move][1]
+  return (min(max(r, 0), size - 1), min(max(c, 0), size - 1))
+
+
+class FrozenLakeEnv(TextEnvironment):
+  """Text FrozenLake.
+
+  Args:
+    is_slippery: gymnasium's slippery dynamics (the intended move happens
+      with probability 1/3).
+    shaped_reward: "process" reward per unit decrease of the distance to G.
+  """
+
+  system_prompt = (
+      "You walk on a frozen lake drawn as a grid: S start, F frozen (safe), "
+      "H hole, G goal, @ you. Row 1 is the top row and column 1 the leftmost. "
+      "Reach G without stepping into a hole. Each turn move one cell with "
+      "<move>left</move>, <move>down</move>, <move>right</move> or "
+      "<move>up</move>. You may reason first inside <think>...</think>.")
+  stop_strings = ("</move>",)
+
+  def __init__(self, *, is_slippery: bool = False, shaped_reward: float = 0.0,
+               format_penalty: float = 0.0, step_cost: float = 0.0):
+    super().__init__(format_penalty=format_penalty, step_cost=step_cost)
+    self.is_slippery, self.shaped_reward = is_slippery, shaped_reward
+    self._gym: frozen_lake.FrozenLakeEnv | None = None
+
+  @classmethod
+  def tasks(cls, split: str, n: int, seed: int, *, sizes: tuple[int, ...] = (4, 5),
+            p: float = 0.8) -> list[Task]:
+    """`n` distinct maps of `split` (a hash partition of the map: about 1 in 5
+    is a test map); sizes drawn uniformly, `p` = probability of frozen cell.
+    Level = size - 4 (4x4 is level 0)."""
+    if split not in SPLITS:
+      raise ValueError(f"unknown split {split!r}; known: {SPLITS}")
+    rng, out, seen = random.Random(seed), [], set()
+    for _ in range(100 * n + 1000):  # generous: each draw succeeds ~1 in 5
+      if len(out) == n:
+        break
+      size = rng.choice(sizes)
+      desc = tuple(frozen_lake.generate_random_map(size, p, seed=rng.randrange(2**31)))
+      digest = hashlib.sha256("/".join(desc).encode()).hexdigest()
+      if digest in seen or (int(digest, 16) % 5 == 0) != (split == "test"):
+        continue
+      seen.add(digest)
+      out.append(Task(f"frozenlake/{size}x{size}/{digest[:16]}", _PROMPT,
+                      {"desc": desc, "env_seed": int(digest[:8], 16)}, max(size - 4, 0)))
+    if len(out) < n:
+      raise ValueError(f"found only {len(out)} of {n} distinct {split} maps for sizes {sizes}")
+    return out
+
+  @classmethod
+  def expert(cls, task: Task) -> Expert:
+    """Takes a shortest-path move from the position in each observation
+    (re-planning every turn, so it copes with slipping)."""
+    desc = task.data["desc"]
+    dist = _distances(desc)
+
+    def policy(observation: str) -> str:
+      r, c = map(int, _POSITION.findall(observation)[-1])
+      here = (r - 1, c - 1)
+      move = min(range(len(MOVES)),
+                 key=lambda m: dist.get(_neighbour(here, m, len(desc)), len(desc) ** 2))
+      return f"<move>{MOVES[move]}</move>"
+
+    return policy
+
+  def _reset(self, task: Task) -> str:
+    self._close_gym()
+    self._desc = task.data["desc"]
+    self._dist = _distances(self._desc)
+    self._gym = frozen_lake.FrozenLakeEnv(desc=list(self._desc), is_slippery=self.is_slippery)
+    self._state, _ = self._gym.reset(seed=task.data["env_seed"])
+    self._done = False
+    return f"{task.prompt}\n\n{self._render()}"
+
+  def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
+    if self._done:
+      return "The episode is over.", {}, True, {}
+    match = _TOOL.search(_THINK.sub("", action))
+    if match is None or match.group(1) != "move":
+      observation, parts, done, info = self.malformed(_USAGE)
+      if match is not None:
+        observation = f"Unknown tool <{match.group(1)[:40]}>. {observation}"
+      return observation, parts, done, info
+    word = match.group(2).strip().lower()
+    if word not in MOVES:
+      return (f"Unknown move {word[:40]!r}. Use left, down, right or up.",
+              {"format": -self.format_penalty}, False, {"malformed": True})
+    move, before = MOVES.index(word), self._cell()
+    self._state, reward, terminated, _, _ = self._gym.step(move)
+    after = self._cell()
+    self._done = terminated
+    parts = {"outcome": float(reward)}
+    if after in self._dist:  # not a hole
+      parts["process"] = self.shaped_reward * (self._dist[before] - self._dist[after])
+    if after != _neighbour(before, move, len(self._desc)):
+      message = f"You tried to move {word} but slipped."
+    else:
+      message = f"You moved {word}."
+    if self._desc[after[0]][after[1]] == "H":
+      message += " You fell into a hole."
+    elif reward > 0:
+      message += " You reached the goal!"
+    return f"{message}\n\n{self._render()}", parts, terminated, {"position": after}
+
+  def close(self) -> None:
+    self._close_gym()
+    super().close()
+
+  def _close_gym(self) -> None:
+    if self._gym is not None:
+      self._gym.close()
+      self._gym = None
+
+  def _cell(self) -> tuple[int, int]:
+    return divmod(int(self._state), len(self._desc))
+
+  def _render(self) -> str:
+    r, c = self._cell()
+    rows = [" ".join("@" if (i, j) == (r, c) else ch for j, ch in enumerate(row))
+            for i, row in enumerate(self._desc)]
+    return "\n".join(rows) + f"\nYou are at row {r + 1}, column {c + 1}."
