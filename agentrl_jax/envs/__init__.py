@@ -1,7 +1,13 @@
-"""Text environments with a Gymnasium-style contract (see base.py)."""
+"""Text environments with a Gymnasium-style contract (see base.py).
+
+The bundled environments (`search_qa`, `calculator`, `frozen_lake`,
+`python_tool`) are created through the registry, `make(name, **kwargs)`.
+Model-written code runs only in `sandbox.Sandbox`.
+"""
 
 from agentrl_jax.envs.adapters import FromGymnasium, SeedStyle, TurnBudget, as_gymnasium
 from agentrl_jax.envs.base import (
     REWARD_PARTS, Environment, Expert, StepResult, Task, TextEnvironment,
     reward_parts)
 from agentrl_jax.envs.registry import env_class, make, register, registered
+from agentrl_jax.envs.sandbox import Sandbox, SandboxResult

@@ -1,0 +1,83 @@
+"""Keep-last-k checkpoints of a training-state pytree plus a JSON side dict.
+
+A thin wrapper over `orbax.checkpoint.CheckpointManager` so the training
+script names only what it saves (`state`, `extra`), never orbax's args.
+Each step is a directory `<directory>/<step>/` holding `state/` (arrays) and
+`extra/` (JSON: counters, config, data-loader position).
+
+Orbax 0.12.8 stores typed PRNG keys (`jax.random.key`, any impl, and the
+`RngKey` variables inside `nnx.state`) natively and restores them as typed
+keys of the same impl, so keys need no `key_data`/`wrap_key_data` round trip.
+
+Saves are asynchronous: `save` returns once the arrays are copied to host
+memory (so donating them to the next train step is safe) and the write to
+disk finishes in the background. `restore` and `close` wait for it first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  """Saves and restores `(state_pytree, extra_dict)` by integer step."""
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
+    # Orbax resolves paths itself; an absolute path keeps a later chdir safe.
+    self.directory = os.path.abspath(os.fspath(directory))
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+
+  def save(self, step: int, state: Any, extra: dict | None = None) -> None:
+    """Starts saving `state` (any pytree of arrays) and `extra` (JSON) at `step`.
+
+    Deletes the oldest checkpoints beyond `max_to_keep` once this one commits.
+    """
+    self._manager.save(int(step), args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        extra=ocp.args.JsonSave(dict(extra or {}))))
+
+  def latest_step(self) -> int | None:
+    """The newest saved step (including one still being written), or None."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Steps on disk, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def restore(self, step: int | None = None, *,
+              abstract_state: Any) -> tuple[Any, dict]:
+    """Loads `(state, extra)` saved at `step` (default: the latest).
+
+    abstract_state: a pytree with the saved structure whose leaves are arrays
+      or `jax.ShapeDtypeStruct`s (e.g. `jax.eval_shape(init_fn)`); the restored
+      leaves take their dtypes and shardings (a struct without a sharding
+      lands on the default device).
+    """
+    self.wait()
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        extra=ocp.args.JsonRestore()))
+    return restored["state"], dict(restored["extra"])
+
+  def wait(self) -> None:
+    """Blocks until every save started so far is on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.wait()
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

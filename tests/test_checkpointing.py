@@ -1,0 +1,117 @@
+"""Checkpointer: bit-exact round trips, keep-last-k, step selection, extra."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from agentrl_jax.checkpointing import Checkpointer
+
+
+def _bits(x):
+  """A leaf as raw bytes plus dtype, so equality is bitwise (NaN == NaN)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return str(x.dtype), jax.random.key_data(x).tobytes()
+  x = np.asarray(x)
+  return str(x.dtype), x.shape, x.tobytes()
+
+
+def _assert_bit_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert type(x) is type(y) or isinstance(y, jax.Array)
+    assert _bits(x) == _bits(y)
+
+
+def _round_trip(tmp_path, state, extra=None):
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(7, state, extra)
+    return ckpt.restore(abstract_state=jax.eval_shape(lambda: state))
+
+
+def test_arrays_of_several_dtypes_bit_exact(tmp_path):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  state = {
+      "f32": jax.random.normal(k1, (5, 3)).at[0, 0].set(jnp.nan),
+      "bf16": jax.random.normal(k2, (4,), jnp.bfloat16),
+      "i32": jnp.arange(6, dtype=jnp.int32).reshape(2, 3),
+      "scalar": jnp.float32(-0.0),
+  }
+  restored, extra = _round_trip(tmp_path, state)
+  _assert_bit_equal(state, restored)
+  assert extra == {}
+
+
+def test_prng_keys_restore_as_typed_keys(tmp_path):
+  state = {"key": jax.random.key(42), "rbg": jax.random.key(1, impl="rbg"),
+           "keys": jax.random.split(jax.random.key(3), 4)}
+  restored, _ = _round_trip(tmp_path, state)
+  _assert_bit_equal(state, restored)
+  assert jax.random.key_impl(restored["rbg"]) == jax.random.key_impl(
+      state["rbg"])
+  # The restored key draws the same numbers as the original.
+  np.testing.assert_array_equal(jax.random.uniform(restored["key"], (3,)),
+                                jax.random.uniform(state["key"], (3,)))
+
+
+def test_nnx_model_optimizer_and_rngs_bit_exact(tmp_path):
+  model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+  rngs = nnx.Rngs(params=1, dropout=2)
+  rngs.dropout()  # advance a counter so it is not the initial value
+  tx = optax.adamw(1e-2)
+  opt_state = tx.init(nnx.state(model, nnx.Param))
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  _, opt_state = tx.update(grads, opt_state, nnx.state(model, nnx.Param))
+  state = {"model": nnx.state(model), "opt": opt_state,
+           "rngs": nnx.state(rngs)}
+
+  restored, _ = _round_trip(tmp_path, state)
+  _assert_bit_equal(state, restored)
+
+  # Restored state drives a fresh model to the same outputs.
+  fresh = nnx.Linear(3, 4, rngs=nnx.Rngs(99))
+  nnx.update(fresh, restored["model"])
+  x = jnp.ones((2, 3))
+  np.testing.assert_array_equal(fresh(x), model(x))
+
+
+def test_restore_into_concrete_arrays(tmp_path):
+  state = {"w": jnp.arange(4.0, dtype=jnp.bfloat16)}
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(0, state)
+    restored, _ = ckpt.restore(abstract_state=jax.tree.map(jnp.zeros_like,
+                                                           state))
+  _assert_bit_equal(state, restored)
+
+
+def test_keep_last_k_latest_and_specific_step(tmp_path):
+  def state(step):
+    return {"x": jnp.full((2,), step, jnp.int32)}
+  abstract = jax.eval_shape(lambda: state(0))
+  with Checkpointer(tmp_path, max_to_keep=2) as ckpt:
+    assert ckpt.latest_step() is None
+    with pytest.raises(FileNotFoundError):
+      ckpt.restore(abstract_state=abstract)
+    for step in (10, 20, 30):
+      ckpt.save(step, state(step), {"data_position": step * 4})
+    ckpt.wait()
+    assert ckpt.latest_step() == 30
+    assert ckpt.all_steps() == [20, 30]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20", "30"]
+    restored, extra = ckpt.restore(20, abstract_state=abstract)
+    assert int(restored["x"][0]) == 20 and extra == {"data_position": 80}
+
+  # A new Checkpointer on the same directory (a resumed run) finds them.
+  with Checkpointer(tmp_path, max_to_keep=2) as ckpt:
+    assert ckpt.latest_step() == 30
+    restored, extra = ckpt.restore(abstract_state=abstract)
+    assert int(restored["x"][0]) == 30 and extra == {"data_position": 120}
+
+
+def test_extra_json_round_trip(tmp_path):
+  extra = {"step": 5, "config": {"lr": 1e-3, "name": "grpo", "turns": [1, 2]},
+           "loader": {"epoch": 1, "index": 17}, "done": False, "none": None}
+  _, restored = _round_trip(tmp_path, {"x": jnp.zeros(1)}, extra)
+  assert restored == extra

@@ -1,0 +1,146 @@
+"""MetricsWriter / read_metrics, and the plot_curves script that reads them."""
+
+import glob
+import importlib.util
+import math
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from agentrl_jax.metrics import MetricsWriter, read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tb_events(path):
+  """The events of one TensorBoard file, read as TFRecords."""
+  data, pos, events = open(path, "rb").read(), 0, []
+  while pos < len(data):
+    (length,) = struct.unpack("<Q", data[pos:pos + 8])
+    events.append(event_pb2.Event.FromString(data[pos + 12:pos + 12 + length]))
+    pos += 12 + length + 4  # length, its crc, payload, payload crc
+  return events
+
+
+def _tb_scalars(workdir):
+  """(tag, step, value) of every scalar in workdir/tb."""
+  return [(v.tag, e.step, v.simple_value)
+          for path in glob.glob(os.path.join(workdir, "tb", "events.*"))
+          for e in _tb_events(path) for v in e.summary.value]
+
+
+def _strip_time(records):
+  return [{k: v for k, v in r.items() if k != "time"} for r in records]
+
+
+def test_write_reads_back_and_reaches_tensorboard(tmp_path):
+  with MetricsWriter(tmp_path) as w:
+    w.write(0, {"loss": 1.5, "n": 3}, prefix="train/")
+    w.write(1, {"loss": np.float32(0.25), "acc": jnp.asarray(0.5)},
+            prefix="train/")
+    w.write(1, {"success": 1.0}, prefix="eval/")
+  records = read_metrics(tmp_path)
+  assert _strip_time(records) == [
+      {"step": 0, "train/loss": 1.5, "train/n": 3.0},
+      {"step": 1, "train/loss": 0.25, "train/acc": 0.5},
+      {"step": 1, "eval/success": 1.0}]
+  assert all(isinstance(r["time"], float) for r in records)
+  assert sorted(_tb_scalars(tmp_path)) == sorted([
+      ("train/loss", 0, 1.5), ("train/n", 0, 3.0), ("train/loss", 1, 0.25),
+      ("train/acc", 1, 0.5), ("eval/success", 1, 1.0)])
+
+
+def test_non_finite_written_as_null_read_as_nan(tmp_path):
+  with MetricsWriter(tmp_path, tensorboard=False) as w:
+    w.write(0, {"a": float("nan"), "b": float("inf"), "c": -np.inf, "d": 2.0})
+  assert open(tmp_path / "metrics.jsonl").read().count("null") == 3
+  (r,) = read_metrics(tmp_path)
+  assert all(math.isnan(r[k]) for k in "abc") and r["d"] == 2.0
+  assert not os.path.exists(tmp_path / "tb")
+
+
+def test_reserved_and_non_scalar_values_rejected(tmp_path):
+  with MetricsWriter(tmp_path, tensorboard=False) as w:
+    with pytest.raises(ValueError, match="reserved"):
+      w.write(0, {"step": 1.0})
+    with pytest.raises(TypeError):
+      w.write(0, {"v": np.ones(2)})
+
+
+def test_truncated_last_line_is_tolerated_and_repaired(tmp_path):
+  with MetricsWriter(tmp_path, tensorboard=False) as w:
+    w.write(0, {"x": 1.0})
+    w.write(1, {"x": 2.0})
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 2, "x"')  # the crash hit mid-line
+  assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+  with MetricsWriter(tmp_path, tensorboard=False) as w:  # plain reopen appends
+    w.write(2, {"x": 3.0})
+  assert [r["x"] for r in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
+
+
+def test_corrupt_middle_line_raises(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"st\n{"step": 1}\n')
+  with pytest.raises(ValueError, match="not JSON"):
+    read_metrics(tmp_path)
+
+
+def test_resume_step_drops_later_steps(tmp_path):
+  with MetricsWriter(tmp_path) as w:
+    for step in range(5):
+      w.write(step, {"x": float(step)})
+  # The run crashed after step 4 but its last checkpoint is step 2.
+  with MetricsWriter(tmp_path, resume_step=2) as w:
+    for step in range(3, 5):
+      w.write(step, {"x": 10.0 * step})
+  assert [(r["step"], r["x"]) for r in read_metrics(tmp_path)] == [
+      (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+  # TensorBoard keeps both files; the new one opens with a purge marker at
+  # step 3, so TensorBoard hides the old file's values from step 3 on.
+  paths = glob.glob(str(tmp_path / "tb" / "events.*"))
+  assert len(paths) == 2
+  starts = [(e.step, e.session_log.status) for p in paths
+            for e in _tb_events(p) if e.HasField("session_log")]
+  assert starts == [(3, event_pb2.SessionLog.START)]
+
+
+def _load_plot_curves():
+  spec = importlib.util.spec_from_file_location(
+      "plot_curves", ROOT / "experiments" / "plot_curves.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_plot_writes_png_and_skips_missing_keys(tmp_path):
+  runs = {
+      "seed0": [{"step": s, "time": 100.0 + s, "train/loss": 1.0 / (s + 1),
+                 "eval/success": s / 10} for s in range(10)],
+      "seed1": [{"step": s, "time": 50.0 + 2 * s, "train/loss": math.nan}
+                for s in range(10)],
+  }
+  out = tmp_path / "curves.png"
+  _load_plot_curves().plot(runs, ["eval/success", "train/loss", "absent"],
+                           str(out), x="time")
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert out.stat().st_size > 1000
+
+
+def test_plot_curves_cli(tmp_path):
+  for name in ("a", "b"):
+    with MetricsWriter(tmp_path / name, tensorboard=False) as w:
+      for step in range(3):
+        w.write(step, {"reward_mean": step * 0.5}, prefix="train/")
+  out = tmp_path / "curves.png"
+  subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "plot_curves.py"),
+       f"--workdirs={tmp_path / 'a'},{tmp_path / 'b'}", f"--out={out}"],
+      check=True, capture_output=True, timeout=120)
+  assert out.stat().st_size > 1000

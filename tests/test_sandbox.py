@@ -1,0 +1,395 @@
+"""Sandbox tests: ordinary runs, the rlimits-only fallback, and attacks.
+
+The attacks try to escape or harm the host. They run in a child process
+(this file as a script) confined by its own pids+memory cgroups and a
+timeout, so a sandbox bug fails a test instead of taking the machine down;
+the sandbox nests each run's cgroups below that child's. After every attack
+the child checks the host: a normal run works, no process of a sandbox uid
+and no launcher is left, no run cgroup is left, no marker file exists.
+"""
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+
+import pytest
+
+from agentrl_jax.envs import sandbox as sandbox_lib
+from agentrl_jax.envs.sandbox import Sandbox
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LIMITS = dict(cpu_seconds=1, wall_seconds=2, memory_mb=128, max_processes=8,
+              max_file_mb=2, disk_mb=8, max_files=128, output_bytes=1024)
+MARKERS = ["/tmp/escape_marker", "/var/tmp/escape_marker", "/dev/shm/escape_marker",
+           "/root/escape_marker", "/escape_marker", "/etc/escape_marker",
+           str(REPO / "escape_marker")]
+
+# In each attack {runner_pid}, {pytest_pid}, {port}, {secret}, {markers} and
+# {repo} are replaced by their values.
+# `try_(label, fn)` prints "label: ok" or "label: <error name>".
+PRELUDE = """
+import errno, os, signal, socket, subprocess, sys, time
+def try_(label, fn):
+  try:
+    fn()
+    print(label + ": ok", flush=True)
+  except BaseException as e:
+    print(label + ": " + (errno.errorcode.get(getattr(e, "errno", None) or 0) or type(e).__name__), flush=True)
+"""
+ATTACKS = {
+    "fork_bomb": """
+while True:
+  try:
+    os.fork()
+  except OSError:
+    pass
+""",
+    "infinite_loop": "while True: pass",
+    "sleep_forever": "time.sleep(1000)",
+    "daemon_left_behind": """
+if os.fork() == 0:
+  os.setsid()
+  if os.fork() == 0:
+    time.sleep(1000)
+  os._exit(0)
+print("parent done")
+""",
+    "memory_bomb": "x = bytearray(10**10)",
+    "memory_gradual": "l = []\nwhile True: l.append(b'x' * 10**6)",
+    "memory_many_processes": """
+for _ in range(4):
+  if os.fork() == 0:
+    b = b'x' * (90 * 10**6)
+    time.sleep(0.5)
+    os._exit(0)
+b = b'x' * (90 * 10**6)
+for _ in range(4):
+  print(os.wait(), flush=True)
+""",
+    "disk_fill": """
+def big():
+  with open("big", "wb") as f:
+    f.write(b"x" * (50 << 20))
+def many_mb():
+  for i in range(100):
+    with open(f"mb{i}", "wb") as f:
+      f.write(b"x" * (1 << 20))
+def many_files():
+  for i in range(100000):
+    open(f"/tmp/f{i}", "w").close()
+def shm():
+  with open("/dev/shm/fill", "wb") as f:
+    f.write(b"x" * (2 << 20))
+try_("big", big); try_("many_mb", many_mb)
+for i in range(100): os.path.exists(f"mb{i}") and os.remove(f"mb{i}")
+try_("many_files", many_files); try_("shm", shm)
+""",
+    "output_bomb": "while True: sys.stdout.write('x' * 100000)",
+    "network": """
+def connect(addr):
+  s = socket.socket(); s.settimeout(1); s.connect(addr)
+try_("host_listener", lambda: connect(("127.0.0.1", {port})))
+try_("outside", lambda: connect(("1.1.1.1", 53)))
+try_("dns", lambda: socket.getaddrinfo("example.com", 80))
+print("interfaces:", [l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]])
+""",
+    "write_outside": """
+for path in {markers} + ["{secret}.new"]:
+  try_(path, lambda: open(path, "w").write("escaped"))
+try_("chmod_secret", lambda: os.chmod("{secret}", 0o666))
+try_("remove_secret", lambda: os.remove("{secret}"))
+try_("touch_repo", lambda: os.utime("{repo}/pyproject.toml"))
+""",
+    "read_secret": """
+try_("secret", lambda: print(open("{secret}").read()))
+try_("shadow", lambda: print(open("/etc/shadow").read()))
+try_("root_home", lambda: print(os.listdir("/root")))
+""",
+    "escalate": """
+try_("setuid", lambda: os.setuid(0))
+try_("remount", lambda: subprocess.run(["mount", "-o", "remount,rw", "/"], check=True,
+                                       capture_output=True))
+try_("cgroup_escape", lambda: open("/sys/fs/cgroup/pids/cgroup.procs", "w").write(str(os.getpid())))
+try_("sysctl", lambda: open("/proc/sys/kernel/hostname", "w").write("x"))
+# Root of a new user namespace still cannot unlock the read-only host mounts.
+try_("userns_remount", lambda: subprocess.run(
+    ["unshare", "-Urm", "sh", "-c", "mount -o remount,bind,rw / && touch /escape_marker"],
+    check=True, capture_output=True))
+print("uid", os.getuid(), "groups", os.getgroups())
+""",
+    "kill_parents": """
+for label, pid in [("ppid", os.getppid()), ("init", 1), ("runner", {runner_pid}),
+                   ("pytest", {pytest_pid})]:
+  try_(label, lambda: os.kill(pid, signal.SIGKILL))
+try_("everyone", lambda: os.kill(-1, signal.SIGKILL))
+""",
+}
+
+
+# ---- the confined runner (this file run as a script) ----
+
+def _host_leftovers():
+  """Processes of a sandbox uid or launcher, and run cgroups, left now."""
+  procs = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      uid = os.stat(f"/proc/{pid}").st_uid
+      cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+      continue
+    if (sandbox_lib.UID_BASE <= uid < sandbox_lib.UID_BASE + sandbox_lib.UID_SPAN
+        or b"_sandbox_child" in cmd):
+      procs.append(pid)
+  cgroups = [str(p) for c in ("pids", "memory") if sandbox_lib._own_cgroup(c)
+             for p in pathlib.Path(sandbox_lib._own_cgroup(c)).glob(sandbox_lib.CGROUP_PREFIX + "*")]
+  return procs, cgroups
+
+
+def _run_attacks(args):
+  listener = socket.socket()
+  listener.bind(("127.0.0.1", 0))
+  listener.listen()
+  listener.setblocking(False)
+  fmt = dict(runner_pid=os.getpid(), pytest_pid=args["pytest_pid"], secret=args["secret"],
+             port=listener.getsockname()[1], markers=MARKERS, repo=str(REPO))
+  box = Sandbox(**LIMITS, require_isolation=True)
+  report = {}
+  for name in args["attacks"]:
+    code = ATTACKS[name]
+    for key, value in fmt.items():
+      code = code.replace("{" + key + "}", str(value))
+    result = box.run(PRELUDE + code)
+    after = box.run("print(1 + 1)")
+    procs, cgroups = _host_leftovers()
+    try:
+      listener.accept()
+      accepted = True
+    except BlockingIOError:
+      accepted = False
+    report[name] = dict(result=dataclasses.asdict(result), after=dataclasses.asdict(after),
+                        procs=procs, cgroups=cgroups, accepted=accepted,
+                        markers=[m for m in MARKERS if os.path.lexists(m)])
+  print(json.dumps(report))
+
+
+# ---- the outer test process ----
+
+def _confinement_skip_reason():
+  if os.geteuid() != 0:
+    return "attack tests need root (cgroups, namespaces)"
+  if not sandbox_lib.namespaces_available():
+    return "attack tests need `unshare` namespaces"
+  if not (sandbox_lib._own_cgroup("pids") and sandbox_lib._own_cgroup("memory")):
+    return "attack tests need writable cgroup v1 pids and memory controllers"
+  return None
+
+
+@pytest.fixture(scope="module")
+def secret():
+  """A root-only (0600) file in a world-readable directory, outside /tmp."""
+  directory = tempfile.mkdtemp(prefix="agentrl-secret-", dir="/run" if os.access("/run", os.W_OK) else None)
+  os.chmod(directory, 0o755)
+  path = os.path.join(directory, "secret")
+  with open(path, "w") as f:
+    f.write("TOP-SECRET-7f3a")
+  os.chmod(path, 0o600)
+  yield path
+  for name in os.listdir(directory):
+    os.remove(os.path.join(directory, name))
+  os.rmdir(directory)
+
+
+@pytest.fixture(scope="module")
+def attacks(secret):
+  reason = _confinement_skip_reason()
+  if reason:
+    pytest.skip(reason)
+  name = f"agentrl-confine-{uuid.uuid4().hex[:8]}"
+  dirs = []
+  try:
+    for controller, file, value in (("pids", "pids.max", 300),
+                                    ("memory", "memory.limit_in_bytes", 2 << 30)):
+      path = os.path.join(sandbox_lib._own_cgroup(controller), name)
+      os.mkdir(path)
+      dirs.append(path)
+      pathlib.Path(path, file).write_text(str(value))
+    # sh joins the cgroups, then becomes the runner: nothing runs outside them.
+    join = " && ".join(f'echo $$ > "{d}/cgroup.procs"' for d in dirs)
+    args = json.dumps(dict(pytest_pid=os.getpid(), secret=secret, attacks=list(ATTACKS)))
+    proc = subprocess.run(["sh", "-c", f'{join} && exec "$@"', "sh", sys.executable, __file__, args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    with open(secret) as f:
+      report["secret_after"] = (f.read(), oct(os.stat(secret).st_mode & 0o777))
+    report["secret"] = secret
+    report["secret_dir_after"] = sorted(os.listdir(os.path.dirname(secret)))
+    return report
+  finally:
+    for path in dirs:
+      sandbox_lib._remove_cgroups({"": path})
+    for path in dirs:
+      assert not os.path.exists(path), f"confinement cgroup {path} left behind"
+
+
+def _contained(report, name):
+  """The invariants every attack must leave intact; returns its result."""
+  entry = report[name]
+  after = entry["after"]
+  assert after["stdout"] == "2\n" and after["exit_code"] == 0, after
+  assert entry["procs"] == [], f"{name} left processes {entry['procs']}"
+  assert entry["cgroups"] == [], f"{name} left cgroups {entry['cgroups']}"
+  assert entry["markers"] == [], f"{name} left marker files {entry['markers']}"
+  assert not entry["accepted"], f"{name} reached a host socket"
+  assert entry["result"]["isolation"] == "namespaces+cgroup(pids,memory)"
+  return entry["result"]
+
+
+def _lines(result):
+  return dict(line.split(": ", 1) for line in result["stdout"].splitlines() if ": " in line)
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_attack_is_contained(attacks, name):
+  _contained(attacks, name)
+
+
+def test_time_limits(attacks):
+  for name in ("fork_bomb", "infinite_loop", "sleep_forever"):
+    assert _contained(attacks, name)["timed_out"], name
+  assert "cpu" in _contained(attacks, "infinite_loop")["killed_reason"]
+  assert "wall" in _contained(attacks, "sleep_forever")["killed_reason"]
+
+
+def test_daemon_is_killed_with_the_run(attacks):
+  result = _contained(attacks, "daemon_left_behind")
+  assert result["exit_code"] == 0 and result["stdout"] == "parent done\n"
+
+
+def test_memory_limits(attacks):
+  for name in ("memory_bomb", "memory_gradual"):
+    result = _contained(attacks, name)
+    assert result["exit_code"] == 1 and "MemoryError" in result["stderr"], result
+  many = _contained(attacks, "memory_many_processes")
+  # 5 x 90 MB exceeds the run's memory cgroup (128 + 8 + 64 MB).
+  assert "memory" in many["killed_reason"], many
+
+
+def test_disk_fill_is_bounded(attacks):
+  lines = _lines(_contained(attacks, "disk_fill"))
+  assert lines == {"big": "EFBIG", "many_mb": "ENOSPC", "many_files": "ENOSPC",
+                   "shm": "ENOSPC"}, lines
+
+
+def test_output_bomb_is_truncated(attacks):
+  result = _contained(attacks, "output_bomb")
+  assert result["truncated"] and "bytes cut ...]" in result["stdout"]
+  # RLIMIT_FSIZE stopped it at max_file_mb; we kept its head and tail.
+  budget, cut = LIMITS["output_bytes"], (LIMITS["max_file_mb"] << 20) - LIMITS["output_bytes"]
+  assert result["stdout"] == "x" * (budget // 2) + f"\n[... {cut} bytes cut ...]\n" + "x" * (budget // 2)
+  assert "File too large" in result["stderr"]
+
+
+def test_no_network(attacks):
+  result = _contained(attacks, "network")
+  lines = _lines(result)
+  assert all(lines[k] != "ok" for k in ("host_listener", "outside", "dns")), lines
+  assert "interfaces: ['lo']" in result["stdout"]
+
+
+def test_host_is_read_only(attacks):
+  lines = _lines(_contained(attacks, "write_outside"))
+  # /tmp, /var/tmp and /dev/shm are the run's own tmpfs: writable, never the
+  # host's. Elsewhere EROFS (the read-only remount) comes before permissions;
+  # /root (0700) cannot even be entered.
+  for path in MARKERS + [attacks["secret"] + ".new"]:
+    expected = ("ok" if path.startswith(("/tmp/", "/var/tmp/", "/dev/shm/"))
+                else "EACCES" if path.startswith("/root/") else "EROFS")
+    assert lines[path] == expected, (path, lines[path])
+  assert (lines["chmod_secret"], lines["remove_secret"], lines["touch_repo"]) == ("EROFS",) * 3
+  assert attacks["secret_after"] == ("TOP-SECRET-7f3a", "0o600")
+  assert attacks["secret_dir_after"] == ["secret"]
+
+
+def test_root_only_files_are_unreadable(attacks):
+  result = _contained(attacks, "read_secret")
+  assert _lines(result) == {"secret": "EACCES", "shadow": "EACCES", "root_home": "EACCES"}
+  assert "TOP-SECRET" not in result["stdout"] + result["stderr"]
+
+
+def test_no_privilege_escalation(attacks):
+  result = _contained(attacks, "escalate")
+  lines = _lines(result)
+  assert all(lines[k] != "ok" for k in ("setuid", "remount", "cgroup_escape", "sysctl",
+                                        "userns_remount")), lines
+  uid = int(result["stdout"].split("uid ")[1].split()[0])
+  assert sandbox_lib.UID_BASE <= uid < sandbox_lib.UID_BASE + sandbox_lib.UID_SPAN
+  assert "groups []" in result["stdout"]
+
+
+def test_cannot_kill_parents(attacks):
+  result = _contained(attacks, "kill_parents")
+  # kill(-1) signals every process it may except itself: there are none.
+  assert _lines(result) == {"ppid": "EPERM", "init": "EPERM", "runner": "ESRCH",
+                            "pytest": "ESRCH", "everyone": "ESRCH"}, result
+  assert result["exit_code"] == 0
+
+
+# ---- ordinary runs (benign code, no confinement needed) ----
+
+@pytest.fixture(scope="module")
+def box():
+  if not sandbox_lib.namespaces_available():
+    pytest.skip("namespace mode needs root and `unshare` (the fallback has its own test)")
+  return Sandbox(**LIMITS, require_isolation=True)
+
+
+def test_runs_code_with_stdin(box):
+  result = box.run("import sys\nprint(sys.stdin.read().upper(), 'é')", stdin="abc")
+  assert (result.stdout, result.exit_code, result.ok) == ("ABC é\n", 0, True)
+  assert not result.timed_out and result.killed_reason is None and not result.truncated
+
+
+def test_exceptions_and_exit_codes_are_results(box):
+  result = box.run("raise ValueError('boom')")
+  assert result.exit_code == 1 and "ValueError: boom" in result.stderr and not result.ok
+  assert box.run("import sys; sys.exit(3)").exit_code == 3
+  killed = box.run("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+  assert killed.exit_code == -signal.SIGSEGV and killed.killed_reason == "killed by signal SIGSEGV"
+
+
+def test_each_run_starts_fresh(box):
+  box.run("open('state', 'w').write('x'); open('/tmp/state', 'w').write('x')")
+  assert box.run("import os; print(os.listdir('.'), os.listdir('/tmp'))").stdout == "['main.py'] ['work']\n"
+
+
+def test_concurrent_runs_are_independent(box):
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(box.run, [f"import time; time.sleep(0.2); print({i})" for i in range(4)]))
+  assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+
+
+def test_rlimits_only_fallback(monkeypatch):
+  monkeypatch.setattr(sandbox_lib, "namespaces_available", lambda: False)
+  with pytest.raises(RuntimeError, match="require_isolation"):
+    Sandbox(require_isolation=True)
+  with pytest.warns(RuntimeWarning, match="rlimits only"):
+    box = Sandbox(**{**LIMITS, "wall_seconds": 1})
+  result = box.run("import os, sys; print(sys.stdin.read(), os.path.basename(os.getcwd())[:16])",
+                   stdin="hi")
+  assert (result.stdout, result.isolation) == ("hi agentrl-sandbox-\n", "rlimits-only")
+  slow = box.run("import time; time.sleep(30)")
+  assert slow.timed_out and "wall" in slow.killed_reason
+  assert box.run("print('y' * 5000)").truncated
+
+
+if __name__ == "__main__":
+  _run_attacks(json.loads(sys.argv[1]))
