@@ -67,7 +67,12 @@ class RolloutConfig:
   # Before a decode, wait up to this long for env calls still in flight, so
   # fast tools join the batch instead of trickling into many small decodes.
   batch_wait_s: float = 0.005
+  # Wait for every env call before each decode: batches (and so the random
+  # numbers each episode draws) no longer depend on thread timing, which makes
+  # runs bit-reproducible, at the cost of the tool/decode overlap.
+  lockstep: bool = False
   system_prompt: str | None = None  # default: the environment's own
+  max_context: int = 4096  # tokens per episode without a sampler (expert mode)
 
 
 @dataclasses.dataclass
@@ -85,7 +90,6 @@ class _Episode:
   pending: list | None = None  # tokens to feed before the next action
   fresh: bool = True  # pending starts the slot's context (prefill)
   observation: str = ""  # last observation (the expert's input)
-  context: int = 0  # tokens in the slot's cache
   tool_calls: int = 0
   tool_errors: int = 0
   env_time: float = 0.0
@@ -93,6 +97,11 @@ class _Episode:
   truncated: bool = False
   truncation: str | None = None
   done: bool = False
+
+  @property
+  def length(self) -> int:
+    """Tokens in the episode so far (= in its cache once pending is fed)."""
+    return sum(len(s) for s in self.segments)
 
   def finish(self, *, terminated=False, truncated=False, reason=None):
     self.terminated, self.truncated, self.truncation = terminated, truncated, reason
@@ -122,6 +131,9 @@ class RolloutEngine:
     self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
     probe.close()
     self.stops = chat_format.stop_sequences(tokenizer, extra=self.stop_strings)
+    # Expert episodes obey the same context budget as sampled ones would.
+    self.max_context = (sampler.cache_length if sampler is not None
+                        else config.max_context)
     self._state = sampler.init_state(seed) if sampler is not None else None
     self._free = list(range(sampler.num_slots)) if sampler is not None else []
     self._carry: list[_Episode] = []  # unfinished episodes (partial rollouts)
@@ -144,11 +156,14 @@ class RolloutEngine:
 
   def run(self, tasks: Sequence[Task], group_size: int = 1, *,
           policy_version: int = 0, token_budget: int | None = None,
-          expert: bool = False) -> RolloutResult:
+          expert: bool = False, temperature: float | None = None) -> RolloutResult:
     """Rolls out `group_size` episodes per task (plus carried-over ones).
 
-    Returns the trajectories of every group that completed in this call.
+    `temperature` overrides the configured one for this call (e.g. 0 for
+    greedy evaluation). Returns the trajectories of every group that
+    completed in this call.
     """
+    self._temperature = self.config.temperature if temperature is None else temperature
     if not expert and self.sampler is None:
       raise ValueError("policy rollouts need a sampler (or pass expert=True)")
     if expert and (self._carry or self._finished):
@@ -199,7 +214,9 @@ class RolloutEngine:
         in_flight[self._pool.submit(self._timed, ep, ep.env.reset, ep.task)] = ep
       ready = [ep for ep in running if not ep.done and ep.pending is not None]
       t0 = time.perf_counter()
-      if not ready and in_flight:
+      if self.config.lockstep:
+        done, _ = cf.wait(in_flight, return_when=cf.ALL_COMPLETED)
+      elif not ready and in_flight:
         done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
       else:
         done, _ = cf.wait(in_flight, timeout=self.config.batch_wait_s)
@@ -226,7 +243,6 @@ class RolloutEngine:
         ep.segments.append(Segment(Role.ASSISTANT, ids, logprobs))
         ep.stop_reasons.append(reason)
         ep.versions.append(self._version)
-        ep.context += len(ids)
         ep.pending = None
         generated += len(ids)
         text = self.tok.decode(ids)
@@ -268,8 +284,7 @@ class RolloutEngine:
     ep.observation = self._clip_observation(result.observation)
     delta = self.fmt.observation_ids(self.tok, ep.observation,
                                      ep.segments[-1].token_ids)
-    limit = self.sampler.cache_length if self.sampler else np.inf
-    if ep.context + len(delta) + 1 > limit:  # no room for another action
+    if ep.length + len(delta) + 1 > self.max_context:  # no room for another action
       ep.finish(truncated=True, reason="context")
       return
     ep.segments.append(Segment(Role.OBSERVATION, delta))
@@ -297,14 +312,13 @@ class RolloutEngine:
         self._state = call(self._state, [ep.slot for ep in feed],
                            [ep.pending for ep in feed])
       for ep in feed:
-        ep.context = len(ep.pending) if fresh else ep.context + len(ep.pending)
         ep.fresh = False
-    room = [min(self.config.max_action_tokens, sampler.cache_length - ep.context)
+    room = [min(self.config.max_action_tokens, sampler.cache_length - ep.length)
             for ep in ready]
     cfg = self.config
     self._state, actions = sampler.decode(
         self._state, [ep.slot for ep in ready], stop_sequences=self.stops,
-        max_new_tokens=room, temperature=cfg.temperature, top_k=cfg.top_k,
+        max_new_tokens=room, temperature=self._temperature, top_k=cfg.top_k,
         top_p=cfg.top_p)
     stats.decode_calls += 1
     stats.occupancy += len(ready) / sampler.num_slots

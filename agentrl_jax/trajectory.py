@@ -293,6 +293,7 @@ class TokenBatch:
   turn_index: jax.Array  # [B, L] int32, k on the k-th action of its trajectory, else -1
   seq_ids: jax.Array  # [B, L] int32, index into collate's input list; -1 on padding
   positions: jax.Array  # [B, L] int32, position within its own trajectory
+  returns: jax.Array  # [B, L] float32, value targets at turn starts (GAE); else 0
 
   @property
   def padding_mask(self) -> jax.Array:
@@ -367,7 +368,8 @@ def collate(trajectories: Sequence[Trajectory], *,
       Pass False for teacher-forced data (SFT); old_logprobs is 0 there.
 
   Returns:
-    A TokenBatch of numpy arrays, [B, L] each; `advantages` is all zeros.
+    A TokenBatch of numpy arrays, [B, L] each; `advantages` and `returns`
+    are zeros until credit assignment fills them.
   """
   if not trajectories:
     raise ValueError("collate needs at least one trajectory")
@@ -410,7 +412,7 @@ def collate(trajectories: Sequence[Trajectory], *,
   return TokenBatch(
       tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
       advantages=np.zeros(shape, np.float32), turn_index=turn_index,
-      seq_ids=seq_ids, positions=positions)
+      seq_ids=seq_ids, positions=positions, returns=np.zeros(shape, np.float32))
 
 
 def turn_arrays(trajectories: Sequence[Trajectory], num_turns: int | None = None

@@ -95,10 +95,14 @@ class Sampler:
     self._decode_jit = jax.jit(self._decode_impl, donate_argnums=(1,))
 
   def update_params(self, model_or_params) -> None:
-    """Weight sync: the next call samples from these parameters."""
+    """Weight sync: the next call samples from these parameters.
+
+    Takes a device-side copy (no host round trip), so a train step that
+    donates its own parameters cannot delete the sampler's.
+    """
     if isinstance(model_or_params, nnx.Module):
       _, model_or_params = nnx.split(model_or_params)
-    self.params = model_or_params
+    self.params = jax.tree.map(jnp.copy, model_or_params)
 
   def init_state(self, seed: int = 0) -> SamplerState:
     b = self.num_slots

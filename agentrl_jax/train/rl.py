@@ -1,0 +1,106 @@
+"""The RL loop: rollouts -> credit assignment -> batch -> jitted step -> sync.
+
+One `RLTrainer.iteration(tasks, it)`:
+
+  1. G rollouts per task through the RolloutEngine (policy version = it);
+  2. optional filtering of groups whose rewards have zero variance (their
+     group-relative advantage is identically 0: they only cost compute);
+  3. collate into a fixed [tasks x G, bucket] batch (static shapes);
+  4. credit assignment by name (`credit.assign`), with a value-head forward
+     for "gae";
+  5. the jitted train step, then weight sync into the sampler.
+
+Non-finite updates are skipped by the step; `max_bad_steps` in a row raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from flax import nnx
+import jax
+import numpy as np
+
+from agentrl_jax.envs.base import Task
+from agentrl_jax.rollout import RolloutEngine
+from agentrl_jax.train import credit
+from agentrl_jax.train.state import TrainState
+from agentrl_jax.train.step import RLStep
+from agentrl_jax.trajectory import Trajectory, collate
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  group_size: int = 8
+  tasks_per_iteration: int = 8
+  credit: str = "grpo"
+  gamma: float = 1.0
+  lam: float = 0.95
+  filter_zero_variance: bool = False
+  buckets: tuple[int, ...] = (256, 512, 1024, 2048)
+  max_bad_steps: int = 5
+
+
+def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
+             temperature: float = 0.0) -> dict[str, float]:
+  """Held-out success and reward, one greedy (by default) episode per task."""
+  result = engine.run(tasks, 1, temperature=temperature)
+  m = result.metrics
+  return {"success": m["success_frac"], "reward": m["reward_mean"],
+          "turns": m["turns_mean"], "truncated": m["truncated_frac"]}
+
+
+class RLTrainer:
+  """Owns the train state; the engine's sampler follows its parameters."""
+
+  def __init__(self, engine: RolloutEngine, step: RLStep, state: TrainState,
+               cfg: RLConfig, *, seed: int = 0):
+    self.engine, self.step, self.state, self.cfg = engine, step, state, cfg
+    self.seed = seed
+    self.bad_in_a_row = 0
+    if cfg.credit == "gae":
+      self._values = jax.jit(self._values_impl)
+
+  def _values_impl(self, params, batch):
+    model = nnx.merge(self.step.graphdef, params)
+    hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
+    return model.values(hidden)
+
+  def iteration(self, tasks: Sequence[Task], it: int) -> dict[str, float]:
+    cfg = self.cfg
+    result = self.engine.run(tasks, cfg.group_size, policy_version=it)
+    trajs = result.trajectories
+    metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
+    if cfg.filter_zero_variance:
+      trajs = _drop_flat_groups(trajs)
+      metrics["rollout/kept_frac"] = len(trajs) / max(len(result.trajectories), 1)
+    if not trajs:  # every group was flat: nothing to learn from this batch
+      metrics["train/skipped_batch"] = 1.0
+      return metrics
+    batch = collate(trajs, buckets=cfg.buckets,
+                    num_rows=cfg.tasks_per_iteration * cfg.group_size)
+    values = (np.asarray(self._values(self.state.params, batch))
+              if cfg.credit == "gae" else None)
+    batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
+                          num_turns=self.engine.config.max_turns, token_values=values)
+    key = jax.random.fold_in(jax.random.key(self.seed), it)
+    self.state, train_metrics = self.step(self.state, batch, key)
+    train_metrics = jax.device_get(train_metrics)
+    self.engine.sampler.update_params(self.state.params)
+    skipped = float(train_metrics["skipped_updates"]) > 0
+    self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
+    if self.bad_in_a_row >= cfg.max_bad_steps:
+      raise FloatingPointError(
+          f"{self.bad_in_a_row} train steps in a row had a non-finite loss or "
+          "gradient; stopping (lower the learning rate or check the rewards)")
+    metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+    metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
+    return metrics
+
+
+def _drop_flat_groups(trajs: Sequence[Trajectory]) -> list[Trajectory]:
+  by_group: dict[int, list[Trajectory]] = {}
+  for t in trajs:
+    by_group.setdefault(t.metadata["group_id"], []).append(t)
+  return [t for g in by_group.values() if len({t.reward for t in g}) > 1 for t in g]

@@ -1,0 +1,48 @@
+"""SFT warm start: distil an environment's scripted expert into the policy.
+
+Expert episodes go through the same RolloutEngine (expert mode), so the
+prompt, observation and action tokens, their roles and masks are exactly the
+ones RL will produce; the loss is the masked cross-entropy on ASSISTANT
+tokens only. RL on a policy that cannot yet emit a tool call gets all-zero
+rewards, a zero group-relative advantage, and learns nothing (reference
+text); this is what gives it something to sharpen.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from agentrl_jax.envs.base import Task
+from agentrl_jax.rollout import RolloutEngine
+from agentrl_jax.train.state import TrainState
+from agentrl_jax.train.step import SFTStep
+from agentrl_jax.trajectory import Trajectory, collate
+
+
+def expert_demos(engine: RolloutEngine, tasks: Sequence[Task]) -> list[Trajectory]:
+  """One expert episode per task (only successful ones are kept)."""
+  trajs = engine.run(tasks, 1, expert=True).trajectories
+  return [t for t in trajs if t.metadata["success"]]
+
+
+def distill(step: SFTStep, state: TrainState, demos: Sequence[Trajectory], *,
+            steps: int, batch_size: int, buckets: Sequence[int], seed: int = 0,
+            on_step: Callable[[int, dict], None] | None = None) -> TrainState:
+  """`steps` SFT updates on minibatches drawn (seeded) from the demos."""
+  if len(demos) < batch_size:
+    raise ValueError(f"{len(demos)} expert demos < batch size {batch_size}")
+  rng = np.random.default_rng(seed)
+  order: list[int] = []
+  for i in range(steps):
+    if len(order) < batch_size:  # a fresh permutation per epoch
+      order += list(rng.permutation(len(demos)))
+    picked, order = order[:batch_size], order[batch_size:]
+    batch = collate([demos[j] for j in picked], buckets=buckets,
+                    require_logprobs=False)
+    state, metrics = step(state, batch)
+    if on_step is not None:
+      on_step(i, {k: float(v) for k, v in jax.device_get(metrics).items()})
+  return state

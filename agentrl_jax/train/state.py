@@ -1,0 +1,60 @@
+"""Train state and optimiser: everything the jitted step carries across calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 1e-5
+  warmup_steps: int = 10
+  total_steps: int = 1000  # cosine decay horizon (optimizer updates)
+  end_lr_fraction: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  clip_norm: float = 1.0  # global-norm gradient clipping
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+      decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
+      end_value=cfg.learning_rate * cfg.end_lr_fraction)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_norm),
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: Any  # nnx.State of the policy's nnx.Param variables
+  opt_state: Any  # optax state over `params`
+  ref_params: Any  # frozen reference policy params, or None (no KL term)
+  step: jax.Array  # int32, optimizer updates applied
+  skipped: jax.Array  # int32, updates skipped for non-finite loss/grads
+
+
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *,
+                     with_reference: bool) -> tuple[nnx.GraphDef, TrainState]:
+  """Splits the model into (graphdef, TrainState).
+
+  The state holds device copies of the parameters: the train step donates
+  its state, which must not delete arrays the model (or a sampler built from
+  it) still uses. The reference policy is a further copy.
+  """
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(jnp.copy, params)
+  ref = jax.tree.map(jnp.copy, params) if with_reference else None
+  return graphdef, TrainState(
+      params=params, opt_state=tx.init(params), ref_params=ref,
+      step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))

@@ -1,0 +1,237 @@
+"""The jitted RL and SFT train steps.
+
+`RLStep(graphdef, tx, cfg)` is `train_step(state, batch, rng) -> (state,
+metrics)`, jitted with the state donated:
+
+  1. recompute the behaviour log-probs with the trainer (no grad) and log
+     the rollout-vs-trainer gap; reference log-probs for the KL term;
+  2. for each of `ppo_epochs`: accumulate gradients over `micro_batches`
+     (lax.scan), then one optax update, skipped if the loss or any gradient
+     is non-finite.
+
+Gradient accumulation is exact: each micro-batch's loss is weighted by its
+share of the aggregation units (action tokens for "token-mean", sequences
+for the "seq-mean-*" modes), so the accumulated gradient is the full-batch
+gradient whatever the micro-batch split.
+
+Importance ratios use the sampler's rollout log-probs (`is_correction=
+"none"`), or, with "tis", the trainer's recomputed ones times truncated
+importance weights min(pi_trainer / pi_sampler, tis_cap) (Yao et al. 2025,
+"Your efficient RL framework secretly brings you off-policy RL training").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+from agentrl_jax import losses
+from agentrl_jax.masked import masked_mean
+from agentrl_jax.train.state import TrainState
+from agentrl_jax.trajectory import TokenBatch
+
+IS_CORRECTIONS = ("none", "tis")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  clip_low: float = 0.2
+  clip_high: float = 0.28
+  dual_clip: float | None = None
+  agg: str = "token-mean"
+  norm_constant: float | None = None  # for "seq-mean-token-sum-norm"
+  kl_beta: float = 0.0  # 0: no reference forward at all
+  kl_kind: str = "k3"
+  entropy_coef: float = 0.0
+  value_coef: float = 0.0  # needs a value head and batch.returns
+  is_correction: str = "none"
+  tis_cap: float = 2.0
+  ppo_epochs: int = 1
+  micro_batches: int = 1
+
+  def __post_init__(self):
+    if self.agg not in losses.LOSS_AGG_MODES:
+      raise ValueError(f"unknown agg {self.agg!r}; known: {losses.LOSS_AGG_MODES}")
+    if self.kl_kind not in losses.KL_KINDS:
+      raise ValueError(f"unknown kl_kind {self.kl_kind!r}; known: {losses.KL_KINDS}")
+    if self.is_correction not in IS_CORRECTIONS:
+      raise ValueError(f"unknown is_correction {self.is_correction!r}; "
+                       f"known: {IS_CORRECTIONS}")
+
+
+def decision_mask(turn_index: jax.Array) -> jax.Array:
+  """[B, L] True at the token just before each turn's first action token.
+
+  Its hidden state has read the whole context s_t of turn t: that is where
+  the value head's V(s_t) is read and trained.
+  """
+  nxt = jnp.pad(turn_index[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
+  return (nxt >= 0) & (nxt != turn_index)
+
+
+def _forward(graphdef, params, batch: TokenBatch):
+  model = nnx.merge(graphdef, params)
+  hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
+  values = model.values(hidden) if model.value_head is not None else None
+  return model.logits(hidden), values
+
+
+def _units(batch: TokenBatch, agg: str) -> jax.Array:
+  """How many aggregation units (tokens or sequences) a (micro-)batch holds."""
+  mask = batch.loss_mask * (batch.seq_ids >= 0)
+  if agg == "token-mean":
+    return jnp.sum(mask)
+  _, counts = losses._sequence_stats(mask, mask, batch.seq_ids)  # pylint: disable=protected-access
+  return jnp.sum(counts > 0).astype(jnp.float32)
+
+
+def _split(batch, n: int):
+  """[B, ...] leaves -> [n, B / n, ...] micro-batches."""
+  def split(x):
+    if x.shape[0] % n:
+      raise ValueError(f"batch of {x.shape[0]} rows does not split into {n} micro-batches")
+    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+  return jax.tree.map(split, batch)
+
+
+class RLStep:
+  """Jitted `(state, batch, rng) -> (state, metrics)`; see the module doc."""
+
+  def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+               cfg: LossConfig):
+    self.graphdef, self.tx, self.cfg = graphdef, tx, cfg
+    self.traces = 0
+    self._jit = jax.jit(self._step, donate_argnums=(0,))
+
+  def __call__(self, state: TrainState, batch: TokenBatch, rng: jax.Array):
+    """rng: reserved for stochastic losses; the current losses use none."""
+    del rng
+    return self._jit(state, batch)
+
+  def _step(self, state: TrainState, batch: TokenBatch):
+    self.traces += 1  # runs only while tracing
+    cfg = self.cfg
+    micro = _split(batch, cfg.micro_batches)
+    lp_of = lambda params, mb: losses.token_logprobs(
+        _forward(self.graphdef, params, mb)[0], mb.tokens)
+
+    # -- 1. Behaviour log-probs under the trainer; reference log-probs. --------
+    trainer_old = jax.lax.map(lambda mb: lp_of(state.params, mb), micro)
+    ref = (jax.lax.map(lambda mb: lp_of(state.ref_params, mb), micro)
+           if cfg.kl_beta > 0 else jnp.zeros_like(trainer_old))
+    rollout = micro.old_logprobs
+    mask = micro.loss_mask
+    gap = jnp.where(mask > 0, trainer_old - rollout, 0.0)
+    metrics = {
+        "logprob_gap_mean_abs": masked_mean(jnp.abs(gap), mask),
+        "logprob_gap_max_abs": jnp.max(jnp.abs(gap)),
+        "logprob_gap_kl": masked_mean(jnp.exp(-gap) - 1.0 + gap, mask),
+    }
+    if cfg.is_correction == "tis":
+      old, weights = trainer_old, jnp.minimum(jnp.exp(gap), cfg.tis_cap)
+    else:
+      old, weights = rollout, jnp.ones_like(rollout)
+    units = jax.vmap(lambda mb: _units(mb, cfg.agg))(micro)
+    share = units / jnp.maximum(jnp.sum(units), 1.0)
+    values_on = jax.vmap(decision_mask)(micro.turn_index) & (micro.seq_ids >= 0)
+    value_share = jnp.sum(values_on, axis=(1, 2)) / jnp.maximum(jnp.sum(values_on), 1)
+
+    def loss_fn(params, mb, old, ref, weights, share, value_on, value_share):
+      logits, values = _forward(self.graphdef, params, mb)
+      lp = losses.token_logprobs(logits, mb.tokens)
+      agg = dict(agg=cfg.agg, norm_constant=cfg.norm_constant, seq_ids=mb.seq_ids)
+      pg, m = losses.policy_loss(
+          lp, old, mb.advantages, mb.loss_mask, clip_low=cfg.clip_low,
+          clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=weights, **agg)
+      total = pg
+      aggregate = lambda x: losses.aggregate_loss(x, mb.loss_mask, cfg.agg, **{
+          k: v for k, v in agg.items() if k != "agg"})
+      m["pg_loss"] = pg
+      if cfg.kl_beta > 0:
+        m["kl"] = aggregate(losses.kl_penalty(lp, ref, cfg.kl_kind))
+        total = total + cfg.kl_beta * m["kl"]
+      if cfg.entropy_coef > 0:
+        m["entropy"] = aggregate(losses.entropy(logits))
+        total = total - cfg.entropy_coef * m["entropy"]
+      loss = share * total
+      if cfg.value_coef > 0:
+        m["value_loss"] = masked_mean(jnp.square(values - mb.returns), value_on)
+        loss = loss + value_share * cfg.value_coef * m["value_loss"]
+      # Metrics combine like the loss (weighted by share), maxima by max.
+      return loss, {k: v if k.endswith("_max") else share * v for k, v in m.items()}
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    # -- 2. PPO epochs of exact gradient accumulation. -----------------------------
+    def epoch(carry, _):
+      params, opt_state, step, skipped = carry
+
+      def micro_step(acc, xs):
+        (loss, m), g = grad_fn(params, *xs)
+        acc_loss, acc_m, acc_g = acc
+        acc_m = {k: jnp.maximum(acc_m[k], v) if k.endswith("_max") else acc_m[k] + v
+                 for k, v in m.items()}
+        return (acc_loss + loss, acc_m, jax.tree.map(jnp.add, acc_g, g)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+          lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], xs_all))))
+      zeros = (zeros[0][0], zeros[0][1], zeros[1])
+      (loss, m, grads), _ = jax.lax.scan(micro_step, zeros, xs_all)
+      ok = jnp.isfinite(loss) & jnp.all(jnp.asarray(
+          [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+      updates, new_opt = self.tx.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+      m = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads),
+           "skipped_update": 1.0 - ok.astype(jnp.float32)}
+      carry = (keep(new_params, params), keep(new_opt, opt_state),
+               step + ok, skipped + (1 - ok))
+      return carry, m
+
+    xs_all = (micro, old, ref, weights, share, values_on, value_share)
+    (params, opt_state, step, skipped), per_epoch = jax.lax.scan(
+        epoch, (state.params, state.opt_state, state.step, state.skipped), None,
+        length=cfg.ppo_epochs)
+    metrics.update({k: v[0] for k, v in per_epoch.items()})  # first epoch: on-policy
+    metrics["skipped_updates"] = jnp.sum(per_epoch["skipped_update"])
+    metrics.pop("skipped_update")
+    return state.replace(params=params, opt_state=opt_state, step=step,
+                         skipped=skipped), metrics
+
+
+class SFTStep:
+  """Jitted masked cross-entropy on ASSISTANT tokens (expert distillation)."""
+
+  def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+    self.graphdef, self.tx = graphdef, tx
+    self.traces = 0
+    self._jit = jax.jit(self._step, donate_argnums=(0,))
+
+  def __call__(self, state: TrainState, batch: TokenBatch):
+    return self._jit(state, batch)
+
+  def _step(self, state: TrainState, batch: TokenBatch):
+    self.traces += 1
+
+    def loss_fn(params):
+      logits, _ = _forward(self.graphdef, params, batch)
+      lp = losses.token_logprobs(logits, batch.tokens)
+      mask = batch.loss_mask * (batch.seq_ids >= 0)
+      return -masked_mean(lp, mask), masked_mean(
+          (jnp.argmax(logits, -1) == jnp.pad(batch.tokens[:, 1:], ((0, 0), (0, 1))))
+          .astype(jnp.float32), jnp.pad(mask[:, 1:], ((0, 0), (0, 1))))
+
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    ok = jnp.isfinite(loss)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    state = state.replace(params=keep(params, state.params),
+                          opt_state=keep(opt_state, state.opt_state),
+                          step=state.step + ok, skipped=state.skipped + (1 - ok))
+    return state, {"sft_loss": loss, "token_accuracy": acc,
+                   "grad_norm": optax.tree.norm(grads)}

@@ -1,0 +1,146 @@
+"""Train an agent: SFT warm start on the expert, then agentic RL.
+
+  python experiments/train_agent.py --config=experiments/configs/default.py \
+      --workdir=runs/default [--config.seed=1 --config.rl.group_size=8 ...]
+
+Writes to the workdir: config.json (the resolved config), metrics.jsonl and
+tb/ (TensorBoard), checkpoints/ (orbax; rerunning with the same --workdir
+resumes from the latest one), curves.png. Prints held-out success after SFT
+and after RL. Same config and seed give identical results on CPU (the
+rollout runs in lockstep; see RolloutConfig.lockstep).
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from absl import app, flags, logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_flags
+import tqdm
+
+from agentrl_jax import checkpointing, envs, metrics, models, train
+from agentrl_jax import tokenizer as tok_lib
+from agentrl_jax.rollout import RolloutConfig, RolloutEngine
+from agentrl_jax.sampling import Sampler
+from agentrl_jax.train import rl, sft
+import plot_curves
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/default.py")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Output directory.")
+
+CURVE_KEYS = ("eval/success", "rollout/reward_mean", "rollout/success_frac",
+              "rollout/turns_mean", "train/kl", "train/logprob_gap_mean_abs")
+
+
+def build_model(cfg):
+  dtype = jnp.dtype(cfg.model.dtype)
+  if cfg.model.path:
+    return models.from_pretrained(cfg.model.path, dtype=dtype,
+                                  value_head=cfg.rl.credit == "gae")
+  return models.Decoder(models.tiny_config(
+      cfg.model.arch, dtype=dtype, param_dtype=dtype, value_head=cfg.rl.credit == "gae",
+      **cfg.model.tiny), rngs=nnx.Rngs(cfg.seed))
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  cfg = _CONFIG.value
+  workdir = pathlib.Path(_WORKDIR.value)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+
+  # -- Model, sampler, environments ------------------------------------------------
+  tok = tok_lib.load_tokenizer(cfg.model.tokenizer or None)
+  model = build_model(cfg)
+  sampler = Sampler(model, num_slots=cfg.sampler.num_slots,
+                    cache_length=cfg.sampler.cache_length,
+                    max_decode_length=cfg.rollout.max_action_tokens,
+                    length_buckets=tuple(cfg.sampler.length_buckets))
+  env_cls = envs.env_class(cfg.env.name)
+  engine = RolloutEngine(
+      lambda: env_cls(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format),
+      sampler, RolloutConfig(**cfg.rollout), seed=cfg.seed)
+  train_tasks = env_cls.tasks("train", cfg.env.num_train_tasks, cfg.seed,
+                              **cfg.env.task_kwargs)
+  eval_tasks = env_cls.tasks("test", cfg.env.num_eval_tasks, cfg.seed,
+                             **cfg.env.task_kwargs)
+
+  # -- Train state, checkpoints, logging -------------------------------------------
+  tx = train.make_optimizer(train.OptimConfig(**cfg.optim))
+  graphdef, state = train.init_train_state(model, tx, with_reference=cfg.loss.kl_beta > 0)
+  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
+  progress = {"phase": "sft", "iteration": 0, "sft_success": None}
+  resume = ckpt.latest_step()
+  if resume is not None:
+    state, progress = ckpt.restore(resume, abstract_state=jax.eval_shape(lambda: state))
+    sampler.update_params(state.params)
+    print(f"resumed from {workdir / 'checkpoints'} step {resume}: {progress}")
+  writer = metrics.MetricsWriter(workdir, resume_step=resume)
+
+  # -- SFT warm start ------------------------------------------------------------------
+  if progress["phase"] == "sft":
+    demos = sft.expert_demos(engine, train_tasks[:cfg.sft.num_demos])
+    bar = tqdm.tqdm(total=cfg.sft.steps, desc="SFT", unit="step")
+
+    def on_step(i, m):
+      bar.update()
+      bar.set_postfix(loss=f"{m['sft_loss']:.3f}")
+      if i % 10 == 0 or i == cfg.sft.steps - 1:
+        writer.write(i, m, prefix="sft/")
+
+    state = sft.distill(train.SFTStep(graphdef, tx), state, demos, steps=cfg.sft.steps,
+                        batch_size=cfg.sft.batch_size, buckets=cfg.rl.buckets,
+                        seed=cfg.seed, on_step=on_step)
+    bar.close()
+    sampler.update_params(state.params)
+    # RL starts from the SFT policy: it is also the KL reference.
+    state = state.replace(opt_state=tx.init(state.params), ref_params=(
+        jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_beta > 0 else None))
+    progress = {"phase": "rl", "iteration": 0,
+                "sft_success": rl.evaluate(engine, eval_tasks)["success"]}
+    writer.write(0, {"success": progress["sft_success"]}, prefix="eval/")
+    ckpt.save(0, state, progress)
+  print(f"held-out success after SFT: {progress['sft_success']:.3f}")
+
+  # -- RL ------------------------------------------------------------------------------
+  trainer = rl.RLTrainer(engine, train.RLStep(graphdef, tx, train.LossConfig(**cfg.loss)),
+                         state, rl.RLConfig(**cfg.rl), seed=cfg.seed)
+  first = progress["iteration"]
+  bar = tqdm.tqdm(range(first, cfg.iterations), desc="RL", unit="it", initial=first,
+                  total=cfg.iterations)
+  for it in bar:
+    rng = np.random.default_rng([cfg.seed, it])
+    tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), cfg.rl.tasks_per_iteration,
+                                                replace=False)]
+    m = trainer.iteration(tasks, it + 1)
+    if (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations:
+      m.update({f"eval/{k}": v for k, v in rl.evaluate(engine, eval_tasks).items()})
+    writer.write(it + 1, m)
+    bar.set_postfix(reward=f"{m['rollout/reward_mean']:.2f}",
+                    success=f"{m.get('eval/success', float('nan')):.2f}")
+    if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
+      ckpt.save(it + 1, trainer.state, {**progress, "iteration": it + 1})
+  ckpt.close()
+  writer.close()
+  engine.close()
+
+  final = metrics.read_metrics(workdir)[-1].get("eval/success", float("nan"))
+  plot_curves.plot({workdir.name: metrics.read_metrics(workdir)}, CURVE_KEYS,
+                   workdir / "curves.png")
+  summary = {"sft_success": progress["sft_success"], "rl_success": final}
+  (workdir / "summary.json").write_text(json.dumps(summary))
+  print(f"held-out success after SFT: {progress['sft_success']:.3f}, after RL: {final:.3f}")
+  print(f"curves: {workdir / 'curves.png'}; checkpoints: {workdir / 'checkpoints'}")
+
+
+if __name__ == "__main__":
+  app.run(main)
