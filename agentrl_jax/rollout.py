@@ -41,6 +41,7 @@ import itertools
 import time
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from agentrl_jax import tokenizer as tok_lib
@@ -156,13 +157,18 @@ class RolloutEngine:
 
   def run(self, tasks: Sequence[Task], group_size: int = 1, *,
           policy_version: int = 0, token_budget: int | None = None,
-          expert: bool = False, temperature: float | None = None) -> RolloutResult:
+          expert: bool = False, temperature: float | None = None,
+          seed: int | None = None) -> RolloutResult:
     """Rolls out `group_size` episodes per task (plus carried-over ones).
 
     `temperature` overrides the configured one for this call (e.g. 0 for
-    greedy evaluation). Returns the trajectories of every group that
+    greedy evaluation). `seed` re-seeds the sampler's random stream, so a
+    call's samples do not depend on what earlier calls drew (a resumed run
+    then continues exactly). Returns the trajectories of every group that
     completed in this call.
     """
+    if seed is not None and self._state is not None:
+      self._state = self._state.replace(rng=jax.random.key(seed))
     self._temperature = self.config.temperature if temperature is None else temperature
     if not expert and self.sampler is None:
       raise ValueError("policy rollouts need a sampler (or pass expert=True)")
@@ -267,8 +273,12 @@ class RolloutEngine:
     """An env call came back: queue its tokens or end the episode."""
     if isinstance(result, tuple):  # reset -> (observation, info)
       ep.observation = result[0]
-      ep.pending = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0])
-      ep.segments.append(Segment(Role.SYSTEM, ep.pending))
+      prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0])
+      ep.segments.append(Segment(Role.SYSTEM, prompt))
+      if len(prompt) + 1 > self.max_context:  # no room for a single action
+        ep.finish(truncated=True, reason="context")
+      else:
+        ep.pending = prompt
       return
     ep.rewards.append(result.reward)
     ep.parts.update(result.info.get("reward_parts", {}))

@@ -59,6 +59,9 @@ def main(argv):
   (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
 
   # -- Model, sampler, environments ------------------------------------------------
+  if max(cfg.rl.buckets) < cfg.sampler.cache_length:
+    raise ValueError(f"the largest rl.buckets entry ({max(cfg.rl.buckets)}) must hold a "
+                     f"full episode (sampler.cache_length={cfg.sampler.cache_length})")
   tok = tok_lib.load_tokenizer(cfg.model.tokenizer or None)
   model = build_model(cfg)
   sampler = Sampler(model, num_slots=cfg.sampler.num_slots,
@@ -76,6 +79,7 @@ def main(argv):
 
   # -- Train state, checkpoints, logging -------------------------------------------
   tx = train.make_optimizer(train.OptimConfig(**cfg.optim))
+  rl_tx = train.make_optimizer(train.OptimConfig(**cfg.rl_optim))
   graphdef, state = train.init_train_state(model, tx, with_reference=cfg.loss.kl_beta > 0)
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
   progress = {"phase": "sft", "iteration": 0, "sft_success": None}
@@ -103,7 +107,7 @@ def main(argv):
     bar.close()
     sampler.update_params(state.params)
     # RL starts from the SFT policy: it is also the KL reference.
-    state = state.replace(opt_state=tx.init(state.params), ref_params=(
+    state = state.replace(opt_state=rl_tx.init(state.params), ref_params=(
         jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_beta > 0 else None))
     progress = {"phase": "rl", "iteration": 0,
                 "sft_success": rl.evaluate(engine, eval_tasks)["success"]}
@@ -112,7 +116,7 @@ def main(argv):
   print(f"held-out success after SFT: {progress['sft_success']:.3f}")
 
   # -- RL ------------------------------------------------------------------------------
-  trainer = rl.RLTrainer(engine, train.RLStep(graphdef, tx, train.LossConfig(**cfg.loss)),
+  trainer = rl.RLTrainer(engine, train.RLStep(graphdef, rl_tx, train.LossConfig(**cfg.loss)),
                          state, rl.RLConfig(**cfg.rl), seed=cfg.seed)
   first = progress["iteration"]
   bar = tqdm.tqdm(range(first, cfg.iterations), desc="RL", unit="it", initial=first,

@@ -176,3 +176,48 @@ def test_partial_rollouts_carry_over_and_reprefill(tok, model, sampler):
   lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
   on = batch.loss_mask > 0
   np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def long_sampler(model):
+  return Sampler(model, num_slots=4, cache_length=512, max_decode_length=12,
+                 length_buckets=(32, 128, 512))
+
+
+def test_a_prompt_longer_than_the_cache_truncates_the_episode(tok, sampler):
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_action_tokens=8, system_prompt="x " * 300))
+  (t,) = engine.run(_tasks(1)).trajectories
+  assert t.truncated and t.metadata["truncation"] == "context" and t.num_turns == 0
+
+
+@pytest.mark.parametrize("name", ["search_qa", "calculator", "frozen_lake", "python_tool"])
+def test_every_bundled_env_end_to_end(name, tok, model, long_sampler):
+  """Tiny model + bundled tokenizer on each bundled env: the flattened
+  trajectories re-score to the rollout's log-probs, masks cover exactly the
+  sampled tokens, group members never share an environment."""
+  from agentrl_jax import envs
+  made = []
+
+  def factory():
+    made.append(envs.make(name))
+    return made[-1]
+
+  cls = envs.env_class(name)
+  engine = RolloutEngine(factory, tok, T.CHATML, long_sampler,
+                         RolloutConfig(max_turns=2, max_action_tokens=12,
+                                       max_observation_tokens=48, lockstep=True),
+                         seed=3)
+  trajs = engine.run(cls.tasks("train", 2, 0), group_size=2).trajectories
+  assert len(trajs) == 4
+  assert len({id(e) for e in made}) == len(made) == 5  # 4 episodes + the probe
+  batch = collate(trajs, buckets=(512,))
+  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                 jnp.asarray(batch.seq_ids))
+  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
+  on = batch.loss_mask > 0
+  np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
+  for i, t in enumerate(trajs):
+    sampled = [x for s in t.segments if s.role == Role.ASSISTANT for x in s.token_ids]
+    assert list(batch.tokens[i][on[i]]) == sampled
+    assert t.terminated or t.truncated

@@ -69,7 +69,8 @@ class RLTrainer:
 
   def iteration(self, tasks: Sequence[Task], it: int) -> dict[str, float]:
     cfg = self.cfg
-    result = self.engine.run(tasks, cfg.group_size, policy_version=it)
+    result = self.engine.run(tasks, cfg.group_size, policy_version=it,
+                             seed=(self.seed * 1_000_003 + it) % 2**31)
     trajs = result.trajectories
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
     if cfg.filter_zero_variance:

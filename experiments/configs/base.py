@@ -1,0 +1,46 @@
+"""Shared defaults of every experiment config (the tiny model, on a CPU).
+
+Each `experiments/configs/<name>.py` starts from `get_config()` here and
+changes what its environment or model needs. Every field can be overridden
+from the command line: `--config.rl.group_size=16`.
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.iterations = 60
+  c.eval_every = 10
+  c.checkpoint_every = 20
+  c.keep_checkpoints = 2
+
+  c.env = ml_collections.ConfigDict(dict(
+      name="frozen_lake", kwargs={}, task_kwargs={}, chat_format="chatml",
+      num_train_tasks=400, num_eval_tasks=64))
+  c.model = ml_collections.ConfigDict(dict(
+      path="", tokenizer="", arch="llama", dtype="float32", tiny={}))
+  c.sampler = ml_collections.ConfigDict(dict(
+      num_slots=64, cache_length=768, length_buckets=(32, 64, 128, 256)))
+  c.rollout = ml_collections.ConfigDict(dict(
+      max_turns=8, max_action_tokens=16, max_observation_tokens=128,
+      temperature=1.0, top_k=0, top_p=1.0, env_workers=8, lockstep=True,
+      system_prompt=ml_collections.FieldReference(None, field_type=str)))
+  c.sft = ml_collections.ConfigDict(dict(num_demos=256, steps=150, batch_size=16))
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-3, warmup_steps=10, total_steps=400, end_lr_fraction=0.1,
+      weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0))
+  # RL fine-tunes the SFT policy with its own, gentler optimiser.
+  c.rl_optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-4, warmup_steps=5, total_steps=200, end_lr_fraction=0.1,
+      weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0))
+  c.loss = ml_collections.ConfigDict(dict(
+      clip_low=0.2, clip_high=0.28, dual_clip=None, agg="token-mean",
+      norm_constant=None, kl_beta=0.0, kl_kind="k3", entropy_coef=0.0,
+      value_coef=0.0, is_correction="none", tis_cap=2.0, ppo_epochs=1,
+      micro_batches=1))
+  c.rl = ml_collections.ConfigDict(dict(
+      group_size=8, tasks_per_iteration=8, credit="grpo", gamma=1.0, lam=0.95,
+      filter_zero_variance=False, buckets=(128, 256, 512, 768), max_bad_steps=5))
+  return c

@@ -1,0 +1,87 @@
+"""The RL loop measurably improves held-out success from a fixed SFT start.
+
+A two-turn toy task: the agent must look up a hidden label (`<ask>`), then
+answer it (`<answer>`). The SFT expert is lazy: 70% of the time it skips the
+lookup and answers "left". Keeping only its successful demos, SFT learns to
+skip about half the time (and then succeed half the time): imperfect. GRPO on
+the outcome reward must learn to always look up, raising held-out success
+(measured by sampling at temperature 1, the policy RL optimises). Everything
+is seeded and the rollout runs in lockstep: the test is deterministic.
+"""
+
+import random
+
+from flax import nnx
+import optax
+
+from agentrl_jax import models, train
+from agentrl_jax import tokenizer as T
+from agentrl_jax.envs import Task, TextEnvironment
+from agentrl_jax.rollout import RolloutConfig, RolloutEngine
+from agentrl_jax.sampling import Sampler
+from agentrl_jax.train import rl, sft
+
+LABELS = ("left", "right")
+
+
+class LookupEnv(TextEnvironment):
+  system_prompt = "Ask for the label, then answer it."
+  stop_strings = ("</ask>", "</answer>")
+
+  def _reset(self, task):
+    return task.prompt
+
+  def _step(self, action):
+    if "<ask>" in action:
+      return f"label: {self.task.data['label']}", {}, False, {"tool_call": True}
+    if "<answer>" in action:
+      right = f"<answer>{self.task.data['label']}</answer>" in action
+      return "done", {"outcome": float(right)}, True, {}
+    return self.malformed(["<ask>label</ask>", "<answer>label</answer>"])
+
+  @classmethod
+  def tasks(cls, split, n, seed):
+    rng = random.Random(f"{split}-{seed}")
+    return [Task(f"{split}{i}", f"Item {rng.randint(0, 10**6)}.",
+                 {"label": rng.choice(LABELS)}) for i in range(n)]
+
+  @classmethod
+  def expert(cls, task):
+    if random.Random(task.task_id).random() < 0.7:
+      actions = iter(["<answer>left</answer>"])
+    else:
+      actions = iter(["<ask>label</ask>", f"<answer>{task.data['label']}</answer>"])
+    return lambda observation: next(actions)
+
+
+def test_rl_improves_held_out_success_from_sft():
+  tok = T.load_tokenizer()
+  model = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0))
+  sampler = Sampler(model, num_slots=128, cache_length=128, max_decode_length=8,
+                    length_buckets=(16, 64))
+  engine = RolloutEngine(LookupEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True))
+  train_tasks = LookupEnv.tasks("train", 256, 0)
+  eval_tasks = LookupEnv.tasks("test", 128, 0)
+  tx = optax.adam(2e-3)
+  graphdef, state = train.init_train_state(model, tx, with_reference=False)
+
+  demos = sft.expert_demos(engine, train_tasks)  # the successful ones
+  assert 0.55 < len(demos) / len(train_tasks) < 0.75
+  state = sft.distill(train.SFTStep(graphdef, tx), state, demos, steps=60,
+                      batch_size=16, buckets=(128,), seed=0)
+  sampler.update_params(state.params)
+  before = rl.evaluate(engine, eval_tasks, temperature=1.0)["success"]
+
+  rl_tx = optax.adam(3e-4)  # RL fine-tunes gently: 2e-3 collapses the policy
+  trainer = rl.RLTrainer(
+      engine, train.RLStep(graphdef, rl_tx, train.LossConfig()),
+      state.replace(opt_state=rl_tx.init(state.params)),
+      rl.RLConfig(group_size=8, tasks_per_iteration=8, buckets=(128,)), seed=0)
+  for it in range(20):
+    tasks = [train_tasks[(8 * it + j) % len(train_tasks)] for j in range(8)]
+    trainer.iteration(tasks, it + 1)
+  after = rl.evaluate(engine, eval_tasks, temperature=1.0)["success"]
+  print(f"held-out success: SFT {before:.3f} -> RL {after:.3f}")
+  # Measured here: 0.648 -> 0.844; the margin leaves room for float drift.
+  assert after >= before + 0.1, (before, after)
