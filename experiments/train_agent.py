@@ -99,7 +99,8 @@ def main(argv):
       bar.update()
       bar.set_postfix(loss=f"{m['sft_loss']:.3f}")
       if i % 10 == 0 or i == cfg.sft.steps - 1:
-        writer.write(i, m, prefix="sft/")
+        # SFT steps sit before RL on one axis: -steps .. -1, RL from 0.
+        writer.write(i - cfg.sft.steps, m, prefix="sft/")
 
     state = sft.distill(train.SFTStep(graphdef, tx), state, demos, steps=cfg.sft.steps,
                         batch_size=cfg.sft.batch_size, buckets=cfg.rl.buckets,

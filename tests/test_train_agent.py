@@ -18,8 +18,8 @@ TINY = [
 
 def _run(workdir, iterations):
   out = subprocess.run(
-      [sys.executable, "experiments/train_agent.py", f"--workdir={workdir}",
-       f"--config.iterations={iterations}", *TINY],
+      [sys.executable, "experiments/train_agent.py", f"--workdir={workdir}", *TINY,
+       f"--config.iterations={iterations}"],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout
