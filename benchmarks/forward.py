@@ -9,30 +9,14 @@ log-probs of the tokens w.r.t. all parameters.
 """
 
 import argparse
-import os
-import statistics
-import tempfile
-import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+from common import llama_pair, median_time
 from flax import nnx
 import jax
 import numpy as np
 import torch
-import transformers
 
-from agentrl_jax import losses, models
-
-
-def timed(fn, repeats=5):
-  fn()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+from agentrl_jax import losses
 
 
 def main():
@@ -43,17 +27,7 @@ def main():
   p.add_argument("--hidden", type=int, default=128)
   p.add_argument("--vocab", type=int, default=512)
   args = p.parse_args()
-  heads = max(args.hidden // 32, 1)
-  hf = transformers.LlamaConfig(
-      vocab_size=args.vocab, hidden_size=args.hidden,
-      intermediate_size=args.hidden * 2, num_hidden_layers=args.layers,
-      num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1),
-      max_position_embeddings=max(2048, args.length))
-  torch.manual_seed(0)
-  tmodel = transformers.LlamaForCausalLM(hf)
-  with tempfile.TemporaryDirectory() as d:
-    tmodel.save_pretrained(d)
-    model = models.from_pretrained(d)
+  tmodel, model = llama_pair(layers=args.layers, hidden=args.hidden, vocab=args.vocab)
   tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.length))
   n_tokens = tokens.size
   jtokens = jax.numpy.asarray(tokens)
@@ -84,7 +58,7 @@ def main():
         f"d={args.hidden}, vocab {args.vocab}, batch {args.batch} x {args.length}")
   print(f"{'':>18} {'ours tok/s':>12} {'torch tok/s':>12} {'ratio':>7}")
   for name, ours, theirs in rows:
-    a, b = n_tokens / timed(ours), n_tokens / timed(theirs)
+    a, b = n_tokens / median_time(ours), n_tokens / median_time(theirs)
     print(f"{name:>18} {a:12.0f} {b:12.0f} {a / b:7.2f}")
 
 

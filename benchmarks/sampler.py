@@ -14,32 +14,15 @@ Timings are medians of 3 runs after a warm-up run that compiles everything.
 """
 
 import argparse
-import os
-import statistics
-import tempfile
-import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+from common import llama_pair, median_time
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import transformers
 
-from agentrl_jax import models
 from agentrl_jax.sampling import Sampler, SamplingParams, sample
-
-
-def median_time(fn, repeats=3):
-  fn()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def main():
@@ -53,14 +36,7 @@ def main():
   args = p.parse_args()
   b, n = args.slots, args.new_tokens
 
-  hf = transformers.LlamaConfig(
-      vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-  torch.manual_seed(0)
-  tmodel = transformers.LlamaForCausalLM(hf).eval()
-  with tempfile.TemporaryDirectory() as d:
-    tmodel.save_pretrained(d)
-    model = models.from_pretrained(d)
+  tmodel, model = llama_pair()
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, 512, (b, args.prompt))
   print(f"{jax.devices()[0].platform}, torch {torch.__version__} "
@@ -101,9 +77,9 @@ def main():
       ids = no_cache_step(model, ids, jnp.int32(i), keys[i])
     jax.block_until_ready(ids)
 
-  t_ours = median_time(ours)
-  t_hf = median_time(hf_generate)
-  t_nc = median_time(no_cache)
+  t_ours = median_time(ours, 3)
+  t_hf = median_time(hf_generate, 3)
+  t_nc = median_time(no_cache, 3)
   tok = b * n
   print(f"\ndecode {n} new tokens x {b} slots (incl. a {args.prompt}-token prefill):")
   print(f"  ours (KV cache, jitted loop)   {tok / t_ours:9.0f} tok/s")
@@ -130,8 +106,8 @@ def main():
         state = ep.extend(state, slots, observations[t])
     jax.block_until_ready(state.next_logits)
 
-  t_ext = median_time(lambda: episode(False))
-  t_re = median_time(lambda: episode(True))
+  t_ext = median_time(lambda: episode(False), 3)
+  t_re = median_time(lambda: episode(True), 3)
   print(f"\n{args.turns}-turn episode ({args.action}-token actions, "
         f"{args.observation}-token observations, {total} tokens per slot):")
   print(f"  extend (KV reuse)              {t_ext:7.2f} s")

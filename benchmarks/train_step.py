@@ -15,19 +15,14 @@ happen (goal: none). The last line is `step_vs_torch=X recompiles=N`.
 """
 
 import argparse
-import os
-import statistics
-import tempfile
-import time
+import copy
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+from common import llama_pair, median_time
 import jax
 import numpy as np
 import torch
-import transformers
 
-from agentrl_jax import models, train
+from agentrl_jax import train
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
 
 BETA, EPS = 0.02, 0.2
@@ -71,15 +66,8 @@ def main():
   p.add_argument("--length", type=int, default=256)
   p.add_argument("--iterations", type=int, default=50)
   args = p.parse_args()
-  hf = transformers.LlamaConfig(
-      vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-  torch.manual_seed(0)
-  tpolicy = transformers.LlamaForCausalLM(hf)
-  with tempfile.TemporaryDirectory() as d:
-    tpolicy.save_pretrained(d)
-    model = models.from_pretrained(d)
-    tref = transformers.LlamaForCausalLM.from_pretrained(d).eval()
+  tpolicy, model = llama_pair()
+  tref = copy.deepcopy(tpolicy).eval()
   rng = np.random.default_rng(0)
   bucket = (args.length,)
   batch = random_batch(rng, args.batch, [args.length] * args.batch, 512, bucket)
@@ -100,17 +88,8 @@ def main():
   tb = [torch.tensor(np.asarray(x)) for x in
         (batch.tokens.astype(np.int64), batch.loss_mask, batch.advantages, batch.old_logprobs)]
 
-  def timed(fn, n=5):
-    fn()
-    ts = []
-    for _ in range(n):
-      t0 = time.perf_counter()
-      fn()
-      ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-  t_ours = timed(ours)
-  t_torch = timed(lambda: torch_step(tpolicy, tref, opt, *tb))
+  t_ours = median_time(ours)
+  t_torch = median_time(lambda: torch_step(tpolicy, tref, opt, *tb))
   print(f"{jax.devices()[0].platform}, torch {torch.__version__} ({torch.get_num_threads()} "
         f"threads); tiny Llama, batch {args.batch} x {args.length}, RL step with KL:")
   print(f"  ours (jit, donated)   {tokens / t_ours:9.0f} tok/s  ({t_ours * 1e3:.0f} ms)")

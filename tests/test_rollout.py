@@ -50,6 +50,16 @@ class CountdownEnv:
     return lambda observation: "wer</done>"
 
 
+def _assert_rescored(model, batch):
+  """The trainer's teacher-forced log-probs equal the rollout's; returns the mask."""
+  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                 jnp.asarray(batch.seq_ids))
+  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
+  on = batch.loss_mask > 0
+  np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
+  return on
+
+
 def _tasks(n, steps=(1, 2, 3, 4)):
   return [Task(f"t{i}", f"task {i}", {"steps": steps[i % len(steps)]}) for i in range(n)]
 
@@ -83,11 +93,7 @@ def test_rollout_ids_logprobs_masks_and_isolation(tok, model, sampler):
   assert all(t.terminated and not t.truncated for t in trajs)
   # Re-scoring the flattened trajectories gives the rollout's log-probs.
   batch = collate(trajs, buckets=(128, 256))
-  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
-                 jnp.asarray(batch.seq_ids))
-  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
-  on = batch.loss_mask > 0
-  np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
+  _assert_rescored(model, batch)
   # Masks cover exactly the sampled tokens: what each env received, decoded.
   envs = [e for e in CountdownEnv.instances if e.seen]
   assert len(envs) == 9, "one environment instance per episode"
@@ -170,12 +176,7 @@ def test_partial_rollouts_carry_over_and_reprefill(tok, model, sampler):
   assert any(len(set(v)) > 1 for v in versions), "episodes span policy versions"
   # After the weight change the carried episodes were re-prefilled: the
   # current model re-scores them exactly (same weights here, new cache).
-  batch = collate(seen, buckets=(256,))
-  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
-                 jnp.asarray(batch.seq_ids))
-  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
-  on = batch.loss_mask > 0
-  np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
+  _assert_rescored(model, collate(seen, buckets=(256,)))
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +213,7 @@ def test_every_bundled_env_end_to_end(name, tok, model, long_sampler):
   assert len(trajs) == 4
   assert len({id(e) for e in made}) == len(made) == 5  # 4 episodes + the probe
   batch = collate(trajs, buckets=(512,))
-  logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
-                 jnp.asarray(batch.seq_ids))
-  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
-  on = batch.loss_mask > 0
-  np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
+  on = _assert_rescored(model, batch)
   for i, t in enumerate(trajs):
     sampled = [x for s in t.segments if s.role == Role.ASSISTANT for x in s.token_ids]
     assert list(batch.tokens[i][on[i]]) == sampled

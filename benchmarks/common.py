@@ -1,0 +1,39 @@
+"""Shared by the benchmark scripts: one tiny model in both frameworks, timing."""
+
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import transformers
+
+from agentrl_jax import models
+
+
+def llama_pair(*, layers=2, hidden=128, vocab=512, seed=0):
+  """(transformers LlamaForCausalLM, our Decoder) with the same random weights."""
+  heads = max(hidden // 32, 1)
+  hf = transformers.LlamaConfig(
+      vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+      num_hidden_layers=layers, num_attention_heads=heads,
+      num_key_value_heads=max(heads // 2, 1), max_position_embeddings=4096)
+  torch.manual_seed(seed)
+  torch_model = transformers.LlamaForCausalLM(hf)
+  with tempfile.TemporaryDirectory() as d:
+    torch_model.save_pretrained(d)
+    ours = models.from_pretrained(d)
+  return torch_model, ours
+
+
+def median_time(fn, repeats=5):
+  """Median wall seconds of `fn()` over `repeats` runs after one warm-up."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
