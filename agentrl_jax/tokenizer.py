@@ -30,8 +30,10 @@ ASSETS = pathlib.Path(__file__).parent / "assets"
 BUNDLED_TOKENIZER = ASSETS / "tokenizer.json"
 BUNDLED_CORPUS = ASSETS / "corpus.txt"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Every bundled environment's tags, so its stop strings are single tokens.
 TOOL_TAGS = tuple(f"<{p}{t}>" for t in ("search", "answer", "calc", "python",
-                                        "tool_response", "observation", "think")
+                                        "submit", "move", "tool_response",
+                                        "observation", "think")
                   for p in ("", "/"))
 
 

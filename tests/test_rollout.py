@@ -13,6 +13,7 @@ from agentrl_jax.envs import StepResult, Task
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
 from agentrl_jax.trajectory import Role, collate
+from conftest import seam_split
 
 
 class CountdownEnv:
@@ -124,11 +125,19 @@ def test_budgets_errors_and_truncation(tok, sampler):
 
 
 def test_expert_mode_and_the_bpe_seam(tok):
-  """Observations end in 'ans', the next action starts with 'wer': re-encoding
-  the text would merge them; the recorded ids must be the deltas."""
+  """Observations end in the head of a word, the next action starts with its
+  tail: re-encoding the text would merge them; the recorded ids must be the
+  deltas."""
+  head, tail = seam_split(tok)
   seam = T.ChatFormat(name="seam", prompt="{system}\n{task}\n",
                       observation="\nObs: {observation}", end_of_turn="", stops=())
-  engine = RolloutEngine(lambda: CountdownEnv(suffix=" ans"), tok, seam,
+
+  class SeamEnv(CountdownEnv):
+    @classmethod
+    def expert(cls, task):
+      return lambda observation: tail + "</done>"
+
+  engine = RolloutEngine(lambda: SeamEnv(suffix=head), tok, seam,
                          config=RolloutConfig(max_turns=4))
   trajs = engine.run(_tasks(2, steps=(3,)), group_size=2, expert=True).trajectories
   assert len(trajs) == 4
@@ -138,7 +147,7 @@ def test_expert_mode_and_the_bpe_seam(tok):
     for seg in t.segments:
       deltas += list(seg.token_ids)
       if seg.role == Role.ASSISTANT:
-        assert list(seg.token_ids) == T.encode(tok, "wer</done>")
+        assert list(seg.token_ids) == T.encode(tok, tail + "</done>")
         assert seg.logprobs is None
     assert list(ids) == deltas
     assert T.encode(tok, tok.decode(ids)) != list(ids), "the seam must merge"

@@ -15,6 +15,7 @@ from agentrl_jax.trajectory import Role, Segment, Trajectory
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 import build_bundled_tokenizer  # pylint: disable=wrong-import-position
+from conftest import seam_split  # pylint: disable=wrong-import-position
 
 SYSTEM = "You are a research agent."
 TASK = "Who founded Kalomira?"
@@ -33,7 +34,7 @@ def test_bundled_tokenizer_round_trips_the_bundled_corpus(tok):
   text = T.BUNDLED_CORPUS.read_text()
   ids = T.encode(tok, text)
   assert tok.decode(ids) == text
-  assert len(ids) < len(text) / 2.5, "BPE should compress the text it was trained on"
+  assert len(ids) < len(text) / 2, "BPE should compress the text it was trained on"
   assert len(tok) == 512
   for tag in T.SPECIAL_TOKENS + T.TOOL_TAGS:
     assert len(T.encode(tok, tag)) == 1, tag
@@ -86,11 +87,12 @@ def test_stop_sequences(tok):
 
 def test_prefix_check_reports_a_seam_merge(tok):
   # The prompt ends mid-word; the model completes it. Re-encoding the text
-  # merges "ans" + "wer" into other tokens than the deltas hold.
-  fmt = T.ChatFormat(name="seam", prompt="{system}\n{task}\nThe ans",
+  # merges the two halves into other tokens than the deltas hold.
+  head, tail = seam_split(tok)
+  fmt = T.ChatFormat(name="seam", prompt="{system}\n{task}\nThe" + head,
                      observation="\n<observation>{observation}</observation>\n",
                      end_of_turn="", stops=())
-  result = T.check_prefix_preserving(tok, fmt, SYSTEM, TASK, ["wer is 4"], [])
+  result = T.check_prefix_preserving(tok, fmt, SYSTEM, TASK, [tail + " is 4"], [])
   assert not result.ok and result.turn == 0
   assert "turn 0" in result.detail
 
