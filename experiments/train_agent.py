@@ -124,8 +124,8 @@ def main(argv):
                   total=cfg.iterations)
   for it in bar:
     rng = np.random.default_rng([cfg.seed, it])
-    tasks = [train_tasks[i] for i in rng.choice(len(train_tasks), cfg.rl.tasks_per_iteration,
-                                                replace=False)]
+    pool = rl.curriculum_pool(train_tasks, cfg.curriculum, it)
+    tasks = [pool[i] for i in rng.choice(len(pool), cfg.rl.tasks_per_iteration, replace=False)]
     m = trainer.iteration(tasks, it + 1)
     if (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations:
       m.update({f"eval/{k}": v for k, v in rl.evaluate(engine, eval_tasks).items()})

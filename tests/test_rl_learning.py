@@ -13,6 +13,7 @@ import random
 
 from flax import nnx
 import optax
+import pytest
 
 from agentrl_jax import models, train
 from agentrl_jax import tokenizer as T
@@ -85,3 +86,13 @@ def test_rl_improves_held_out_success_from_sft():
   print(f"held-out success: SFT {before:.3f} -> RL {after:.3f}")
   # Measured here: 0.648 -> 0.844; the margin leaves room for float drift.
   assert after >= before + 0.1, (before, after)
+
+
+def test_curriculum_pool():
+  tasks = [Task("easy", "", level=0), Task("hard", "", level=1)]
+  schedule = ((0, (0,)), (5, (0, 1)))
+  assert [t.task_id for t in rl.curriculum_pool(tasks, schedule, 4)] == ["easy"]
+  assert [t.task_id for t in rl.curriculum_pool(tasks, schedule, 5)] == ["easy", "hard"]
+  assert len(rl.curriculum_pool(tasks, (), 0)) == 2
+  with pytest.raises(ValueError, match="no task has them"):
+    rl.curriculum_pool(tasks, ((0, (2,)),), 0)

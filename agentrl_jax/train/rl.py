@@ -42,6 +42,25 @@ class RLConfig:
   max_bad_steps: int = 5
 
 
+def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequence[int]]],
+                    iteration: int) -> list[Task]:
+  """The tasks whose level the curriculum allows at `iteration`.
+
+  schedule: (first iteration, allowed levels) pairs, e.g. ((0, (0,)), (20,
+  (0, 1))): 1-hop questions first, 2-hop ones mixed in from iteration 20.
+  An empty schedule allows everything.
+  """
+  allowed = None
+  for start, levels in sorted(schedule, key=lambda e: e[0]):
+    if iteration >= start:
+      allowed = set(levels)
+  pool = [t for t in tasks if allowed is None or t.level in allowed]
+  if not pool:
+    raise ValueError(f"the curriculum allows levels {sorted(allowed)} at iteration "
+                     f"{iteration}, but no task has them")
+  return pool
+
+
 def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
              temperature: float = 0.0) -> dict[str, float]:
   """Held-out success and reward, one greedy (by default) episode per task."""

@@ -15,6 +15,8 @@ def get_config():
   c.eval_every = 10
   c.checkpoint_every = 20
   c.keep_checkpoints = 2
+  # ((first iteration, allowed task levels), ...); empty: all levels always.
+  c.curriculum = ()
 
   c.env = ml_collections.ConfigDict(dict(
       name="frozen_lake", kwargs={}, task_kwargs={}, chat_format="chatml",

@@ -29,6 +29,7 @@ def get_config():
   c.rl.buckets = (256, 384, 512)
   c.rl.tasks_per_iteration = 4
   c.env.num_eval_tasks = 128
+  c.rl_optim.learning_rate = 3e-4
   c.sft.steps = 150
   c.iterations = 80
   return c

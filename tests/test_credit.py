@@ -1,0 +1,95 @@
+"""Credit assignment by name, against the advantage functions and hand counts."""
+
+import numpy as np
+import pytest
+
+from agentrl_jax import advantages as adv
+from agentrl_jax.train import credit
+from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
+
+
+def _trajs():
+  """Two groups; turn counts 2, 1, 3, 2; dense turn rewards."""
+  specs = [(0, [0.0, 1.0], True), (0, [0.5], True), (1, [0.0, 0.0, 1.0], False),
+           (1, [0.2, 0.0], True)]
+  out = []
+  for group, rewards, terminated in specs:
+    segs = [Segment(Role.SYSTEM, [1, 2, 3])]
+    for k in range(len(rewards)):
+      segs += [Segment(Role.ASSISTANT, [10 + k] * (k + 2), [-1.0] * (k + 2)),
+               Segment(Role.OBSERVATION, [7, 7])]
+    out.append(Trajectory(segs, reward=sum(rewards), turn_rewards=rewards,
+                          terminated=terminated, truncated=not terminated,
+                          metadata={"group_id": group}))
+  return out
+
+
+def _per_turn(batch, i):
+  """The advantage on each turn's tokens of trajectory i (asserting it is flat)."""
+  values = []
+  for k in range(4):
+    on = (batch.seq_ids == i) & (batch.turn_index == k)
+    if on.any():
+      assert np.unique(batch.advantages[on]).size == 1
+      values.append(float(batch.advantages[on][0]))
+  return values
+
+
+def test_trajectory_level_schemes():
+  trajs = _trajs()
+  batch = collate(trajs, buckets=(32,))
+  got = credit.assign("grpo", trajs, batch)
+  # Group 0 rewards [1.0, 0.5]: mean .75, population std .25 -> +-1 (eps aside).
+  assert _per_turn(got, 0) == pytest.approx([1.0, 1.0], abs=1e-4)
+  assert _per_turn(got, 1) == pytest.approx([-1.0], abs=1e-4)
+  got = credit.assign("drgrpo", trajs, batch)
+  # Group 1 rewards [1.0, 0.2]: 1.0 - mean = 0.4.
+  assert _per_turn(got, 2) == pytest.approx([0.4] * 3)
+  got = credit.assign("rloo", trajs, batch)
+  assert _per_turn(got, 3) == pytest.approx([-0.8] * 2)  # 0.2 - 1.0
+  assert np.all(got.advantages[got.loss_mask == 0] == 0)
+
+
+def test_turn_level_schemes():
+  trajs = _trajs()
+  batch = collate(trajs, buckets=(32,), pack=True)
+  got = credit.assign("turn_returns", trajs, batch, gamma=0.5)
+  # Trajectory 2: rewards [0, 0, 1], gamma .5 -> returns [.25, .5, 1].
+  assert _per_turn(got, 2) == pytest.approx([0.25, 0.5, 1.0])
+  assert _per_turn(got, 0) == pytest.approx([0.5, 1.0])
+  got = credit.assign("turn_grpo", trajs, batch, gamma=0.5)
+  rewards = np.array([[0.0, 1.0, 0], [0.5, 0, 0], [0.0, 0.0, 1.0], [0.2, 0.0, 0]])
+  mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], np.float32)
+  want = np.asarray(adv.group_normalize_turns(
+      adv.discounted_returns(rewards, mask, 0.5), mask, np.array([0, 0, 1, 1])))
+  for i, n in enumerate([2, 1, 3, 2]):
+    assert _per_turn(got, i) == pytest.approx(list(want[i, :n]), abs=1e-5)
+
+
+def test_gae_reads_values_at_turn_starts_and_bootstraps_truncation():
+  trajs = _trajs()
+  batch = collate(trajs, buckets=(32,))
+  # A value head that outputs 10 * (position + 1) everywhere.
+  token_values = (10.0 * (batch.positions + 1)).astype(np.float32)
+  values, bootstrap = credit.turn_values_from_tokens(token_values, batch, 4, 3)
+  # Trajectory 0: SYSTEM at 0-2, turn 0 at 3-4 -> V(s_0) read at position 2
+  # (30); obs 5-6, turn 1 at 7-9 -> V(s_1) at position 6 (70); last token 11.
+  np.testing.assert_allclose(values[0], [30.0, 70.0, 0.0])
+  assert bootstrap[0] == 120.0
+  got = credit.assign("gae", trajs, batch, gamma=0.9, lam=0.8, num_turns=3,
+                      token_values=token_values)
+  turn_rewards = np.array([[0.0, 1.0, 0], [0.5, 0, 0], [0.0, 0.0, 1.0], [0.2, 0.0, 0]])
+  mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], np.float32)
+  a, returns = adv.gae_over_turns(turn_rewards, values * mask, mask,
+                                  np.array([True, True, False, True]), 0.9, 0.8,
+                                  bootstrap)
+  for i, n in enumerate([2, 1, 3, 2]):
+    assert _per_turn(got, i) == pytest.approx(list(np.asarray(a)[i, :n]), rel=1e-5)
+  # Value targets sit exactly on the decision positions.
+  assert got.returns[0, 2] == pytest.approx(float(returns[0, 0]))
+  assert got.returns[0, 6] == pytest.approx(float(returns[0, 1]))
+  assert np.count_nonzero(got.returns) <= 8
+  with pytest.raises(ValueError, match="needs token_values"):
+    credit.assign("gae", trajs, batch)
+  with pytest.raises(ValueError, match="known: \\('grpo'"):
+    credit.assign("vtrace", trajs, batch)
