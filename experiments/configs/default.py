@@ -8,6 +8,10 @@ A 2-layer, d=128 model with the bundled tokenizer, trained from scratch on
 leaves the policy imperfect, then GRPO with 8 rollouts per 4x4 map on the
 outcome reward. The agent reads the grid each turn and answers with
 <move>left|down|right|up</move>.
+
+Measured on 2 CPU cores (2026-11-29, seeds 0/1/2, about 4.5 min each):
+held-out greedy success 0.656/0.680/0.398 after SFT, 0.633/0.625/0.688
+after RL. Not yet a reliable RL gain; see the README.
 """
 
 import os
@@ -29,7 +33,6 @@ def get_config():
   c.rl.buckets = (256, 384, 512)
   c.rl.tasks_per_iteration = 4
   c.env.num_eval_tasks = 128
-  c.rl_optim.learning_rate = 3e-4
   c.sft.steps = 150
   c.iterations = 80
   return c
