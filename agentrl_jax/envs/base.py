@@ -22,11 +22,28 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import math
+import re
 import traceback
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 REWARD_PARTS = ("outcome", "format", "cost", "process")
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
+
+
+def hashed_split(key: str) -> tuple[str, str]:
+  """("train" | "test", sha256 hex of key): a stable ~80/20 split by content,
+  so the splits stay disjoint whatever seed or n generated the tasks."""
+  digest = hashlib.sha256(key.encode()).hexdigest()
+  return ("test" if int(digest, 16) % 5 == 0 else "train"), digest
+
+
+def tool_call(action: str) -> tuple[str, str] | None:
+  """(tag, raw body) of the first `<tag>body</tag>` outside <think> blocks."""
+  match = _TOOL.search(_THINK.sub("", action))
+  return (match.group(1), match.group(2)) if match else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +146,17 @@ class TextEnvironment(abc.ABC):
 
   def close(self) -> None:
     self.task = None
+
+  def reject(self, call: tuple[str, str] | None, tools: Sequence[str],
+             usage: Sequence[str]) -> tuple[str, dict, bool, dict] | None:
+    """The reply to a missing or unknown tool call (`tool_call` output), or
+    None when `call` names one of `tools`."""
+    if call is not None and call[0] in tools:
+      return None
+    observation, parts, done, info = self.malformed(usage)
+    if call is not None:
+      observation = f"Unknown tool <{call[0][:40]}>. {observation}"
+    return observation, parts, done, info
 
   def malformed(self, expected: Sequence[str]) -> tuple[str, dict, bool, dict]:
     """The standard reply to an action with no recognised tool call."""

@@ -11,14 +11,13 @@ expression can eat the CPU or memory.
 from __future__ import annotations
 
 import ast
-import hashlib
 import math
 import operator
 import random
 import re
 from typing import Any, Callable
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split, tool_call
 
 SPLITS = ("train", "test")
 MAX_EXPRESSION_CHARS = 200  # also bounds the recursion depth of `_evaluate`
@@ -28,8 +27,6 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
               ast.Mod: operator.mod, ast.Pow: operator.pow}
 _USAGE = ("<calc>expression</calc>", "<answer>number</answer>")
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
 
 
 class CalcError(ValueError):
@@ -186,8 +183,8 @@ class CalculatorEnv(TextEnvironment):
       if len(out) == n:
         break
       text, steps = rng.choice(_TEMPLATES[rng.choice(levels)])(rng)
-      digest = hashlib.sha256(text.encode()).hexdigest()
-      if digest in seen or (int(digest, 16) % 5 == 0) != (split == "test"):
+      where, digest = hashed_split(text)
+      if digest in seen or where != split:
         continue
       seen.add(digest)
       out.append(Task(f"calc/{digest[:16]}", text,
@@ -208,13 +205,11 @@ class CalculatorEnv(TextEnvironment):
     return f"Problem: {task.prompt}"
 
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
-    match = _TOOL.search(_THINK.sub("", action))
-    if match is None or match.group(1) not in ("calc", "answer"):
-      observation, parts, done, info = self.malformed(_USAGE)
-      if match is not None:
-        observation = f"Unknown tool <{match.group(1)[:40]}>. {observation}"
-      return observation, parts, done, info
-    tool, argument = match.group(1), match.group(2).strip()
+    call = tool_call(action)
+    rejected = self.reject(call, ("calc", "answer"), _USAGE)
+    if rejected:
+      return rejected
+    tool, argument = call[0], call[1].strip()
     if tool == "answer":
       gold, value = self.task.data["answer"], _parse_number(argument)
       correct = value is not None and abs(value - gold) <= self.tolerance * max(1.0, abs(gold))

@@ -14,21 +14,18 @@ studies get a per-turn signal.
 from __future__ import annotations
 
 import collections
-import hashlib
 import random
 import re
 from typing import Any, Sequence
 
 from gymnasium.envs.toy_text import frozen_lake
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split, tool_call
 
 SPLITS = ("train", "test")
 MOVES = ("left", "down", "right", "up")  # gymnasium's action ids 0..3
 _DELTAS = ((0, -1), (1, 0), (0, 1), (-1, 0))
 _USAGE = tuple(f"<move>{m}</move>" for m in MOVES)
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
 _POSITION = re.compile(r"You are at row (\d+), column (\d+)\.")
 _PROMPT = "Walk from S to G across the frozen lake without falling into a hole (H)."
 
@@ -93,8 +90,8 @@ class FrozenLakeEnv(TextEnvironment):
         break
       size = rng.choice(sizes)
       desc = tuple(frozen_lake.generate_random_map(size, p, seed=rng.randrange(2**31)))
-      digest = hashlib.sha256("/".join(desc).encode()).hexdigest()
-      if digest in seen or (int(digest, 16) % 5 == 0) != (split == "test"):
+      where, digest = hashed_split("/".join(desc))
+      if digest in seen or where != split:
         continue
       seen.add(digest)
       out.append(Task(f"frozenlake/{size}x{size}/{digest[:16]}", _PROMPT,
@@ -131,13 +128,11 @@ class FrozenLakeEnv(TextEnvironment):
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
     if self._done:
       return "The episode is over.", {}, True, {}
-    match = _TOOL.search(_THINK.sub("", action))
-    if match is None or match.group(1) != "move":
-      observation, parts, done, info = self.malformed(_USAGE)
-      if match is not None:
-        observation = f"Unknown tool <{match.group(1)[:40]}>. {observation}"
-      return observation, parts, done, info
-    word = match.group(2).strip().lower()
+    call = tool_call(action)
+    rejected = self.reject(call, ("move",), _USAGE)
+    if rejected:
+      return rejected
+    word = call[1].strip().lower()
     if word not in MOVES:
       return (f"Unknown move {word[:40]!r}. Use left, down, right or up.",
               {"format": -self.format_penalty}, False, {"malformed": True})

@@ -22,21 +22,18 @@ computing the right answers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import random
 import re
 import string
 from typing import Any, Callable
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split, tool_call
 from agentrl_jax.envs.sandbox import Sandbox, SandboxResult
 
 SPLITS = ("train", "test")
 NUM_CASES = 8
 _USAGE = ("<python>code</python>", "<submit>code</submit>")
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
 _FENCE = re.compile(r"^```[\w-]*\n(.*?)\n?```$", re.DOTALL)
 _RESULTS = "__RESULTS__ "
 _MAX_RESULT_CHARS = 300  # per case, so every result fits the output budget
@@ -270,8 +267,8 @@ class PythonToolEnv(TextEnvironment):
       name = rng.choice(sorted(_KINDS))
       kind, level = _KINDS[name]
       prompt, solution, cases_fn = kind(rng)
-      digest = hashlib.sha256(prompt.encode()).hexdigest()
-      if digest in seen or (int(digest, 16) % 5 == 0) != (split == "test"):
+      where, digest = hashed_split(prompt)
+      if digest in seen or where != split:
         continue
       seen.add(digest)
       out.append(_make_task(name, prompt, solution, cases_fn, digest, level))
@@ -287,13 +284,11 @@ class PythonToolEnv(TextEnvironment):
     return f"Task: {task.prompt}"
 
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
-    match = _TOOL.search(_THINK.sub("", action))
-    if match is None or match.group(1) not in ("python", "submit"):
-      observation, parts, done, info = self.malformed(_USAGE)
-      if match is not None:
-        observation = f"Unknown tool <{match.group(1)[:40]}>. {observation}"
-      return observation, parts, done, info
-    tool, code = match.group(1), _strip_fence(match.group(2))
+    call = tool_call(action)
+    rejected = self.reject(call, ("python", "submit"), _USAGE)
+    if rejected:
+      return rejected
+    tool, code = call[0], _strip_fence(call[1])
     if not code:
       return (f"Error: empty <{tool}> block.", {"format": -self.format_penalty}, False,
               {"tool_call": True, "tool_error": True})

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import numpy as np
 from rank_bm25 import BM25Okapi
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, tool_call
 
 SPLITS = ("train", "test")
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
@@ -53,8 +53,6 @@ _QUESTIONS = {
     "born_country": "In which country is the city where {} was born?",
 }
 _USAGE = ("<search>query</search>", "<answer>answer</answer>")
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
 
 
 class _Person(NamedTuple):
@@ -126,12 +124,6 @@ def normalize_answer(text: str) -> str:
 
 def exact_match(prediction: str, gold: str) -> bool:
   return normalize_answer(prediction) == normalize_answer(gold)
-
-
-def _parse(action: str) -> tuple[str, str] | None:
-  """(tool, argument) of the first tool call outside <think> blocks."""
-  match = _TOOL.search(_THINK.sub("", action))
-  return (match.group(1), match.group(2).strip()) if match else None
 
 
 def _fact(observation: str, subject: str, phrase: str) -> str:
@@ -232,13 +224,11 @@ class SearchQAEnv(TextEnvironment):
     return f"Question: {task.prompt}"
 
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
-    call = _parse(action)
-    if call is None or call[0] not in ("search", "answer"):
-      observation, parts, done, info = self.malformed(_USAGE)
-      if call is not None:
-        observation = f"Unknown tool <{call[0][:40]}>. {observation}"
-      return observation, parts, done, info
-    tool, argument = call
+    call = tool_call(action)
+    rejected = self.reject(call, ("search", "answer"), _USAGE)
+    if rejected:
+      return rejected
+    tool, argument = call[0], call[1].strip()
     if tool == "answer":
       correct = exact_match(argument, self.task.data["answer"])
       return ("Correct." if correct else "Incorrect.", {"outcome": float(correct)},
