@@ -27,6 +27,23 @@ between (`policy_version`), carried episodes re-prefill their whole context,
 since their cached keys/values came from the old weights; every turn records
 the policy version that sampled it.
 
+Context policies: append-only (default) keeps every turn in the cache, so
+each observation costs one `extend` of its own tokens. A sliding window
+(`context_window=k`) keeps the prompt and the last k turns (action plus
+observation): once an episode has more than k turns, the window moves every
+turn and the slot is re-prefilled with prompt + window, i.e. each turn costs
+a prefill of ~prompt + k turns instead of an extend of one observation (see
+`benchmarks/rollout.py`). The trajectory records each action's window
+(`Trajectory.context_starts`), and training teacher-forces every action in
+the context it was sampled in (`Trajectory.flatten_views`).
+
+Branching (`branch`): continuations from an intermediate state of a
+recorded episode. A fresh environment is reset and replayed through the
+recorded actions (their observations and rewards must come back identical,
+else the environment is not replayable and branching raises); the slot is
+prefilled with the recorded tokens, and the policy samples on from there
+under the same budgets.
+
 Expert mode (`run(..., expert=True)`) replaces the sampler with the
 environment's scripted expert: its action text is encoded once and recorded
 without log-probs, through the same bookkeeping (for SFT warm starts).
@@ -37,6 +54,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Any, Callable, Sequence
@@ -73,6 +91,9 @@ class RolloutConfig:
   # runs bit-reproducible, at the cost of the tool/decode overlap.
   lockstep: bool = False
   system_prompt: str | None = None  # default: the environment's own
+  # Sliding-window context policy: keep the prompt and the last k turns.
+  # None: append-only (every turn stays in the cache; KV reuse).
+  context_window: int | None = None
   max_context: int = 4096  # tokens per episode without a sampler (expert mode)
 
 
@@ -88,9 +109,14 @@ class _Episode:
   parts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   stop_reasons: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
+  context_start: int = 1  # segments[context_start:] follow the prompt in the cache
+  context_starts: list = dataclasses.field(default_factory=list)  # per action
   pending: list | None = None  # tokens to feed before the next action
   fresh: bool = True  # pending starts the slot's context (prefill)
   observation: str = ""  # last observation (the expert's input)
+  replay: list | None = None  # recorded segments to replay before sampling (branch)
+  replay_actions: list = dataclasses.field(default_factory=list)  # their action texts
+  rewards_check: list = dataclasses.field(default_factory=list)  # recorded rewards
   tool_calls: int = 0
   tool_errors: int = 0
   env_time: float = 0.0
@@ -100,9 +126,14 @@ class _Episode:
   done: bool = False
 
   @property
+  def context(self) -> list[Segment]:
+    """The segments in the slot's cache (once pending is fed): prompt + window."""
+    return self.segments[:1] + self.segments[self.context_start:]
+
+  @property
   def length(self) -> int:
-    """Tokens in the episode so far (= in its cache once pending is fed)."""
-    return sum(len(s) for s in self.segments)
+    """Tokens in the slot's cache once pending is fed."""
+    return sum(len(s) for s in self.context)
 
   def finish(self, *, terminated=False, truncated=False, reason=None):
     self.terminated, self.truncated, self.truncation = terminated, truncated, reason
@@ -123,6 +154,9 @@ class RolloutEngine:
                config: RolloutConfig = RolloutConfig(), *, seed: int = 0):
     self.env_factory, self.tok, self.fmt = env_factory, tokenizer, chat_format
     self.sampler, self.config = sampler, config
+    if config.context_window is not None and config.context_window < 1:
+      raise ValueError(f"context_window must be >= 1 turn (or None), got "
+                       f"{config.context_window}")
     if sampler is not None and config.max_action_tokens > sampler.max_decode_length:
       raise ValueError(f"max_action_tokens {config.max_action_tokens} > sampler "
                        f"max_decode_length {sampler.max_decode_length}")
@@ -185,13 +219,72 @@ class RolloutEngine:
     if self._version is not None and policy_version != self._version:
       for ep in self._carry:  # cached KV came from the old weights
         if ep.segments:  # (the pending observation is already a segment)
-          ep.pending = [t for s in ep.segments for t in s.token_ids]
+          ep.pending = [t for s in ep.context for t in s.token_ids]
           ep.fresh = True
     self._version = policy_version
     stats = _Stats(num_slots=self.sampler.num_slots if self.sampler else 0)
     active = self._loop(self._carry + new, expert, token_budget, stats)
     self._carry = [ep for ep in active if not ep.done]
     self._finished += [ep for ep in active if ep.done]
+    done = self._complete_groups()
+    trajectories = [self._record(ep) for ep in done]
+    return RolloutResult(trajectories, stats.summary(trajectories))
+
+  def branch(self, points: Sequence[tuple[Task, Trajectory, int]], n: int, *,
+             policy_version: int = 0, temperature: float | None = None,
+             seed: int | None = None) -> list[list[Trajectory]]:
+    """Samples `n` continuations from intermediate states of recorded episodes.
+
+    points: (task, trajectory, t) triples: continue `trajectory` (recorded by
+      this engine with an append-only context) from the state just before
+      its action t, 0 <= t < num_turns. Each continuation gets a fresh
+      environment, reset on `task` and replayed through actions 0..t-1,
+      whose observations and rewards must come back identical (ValueError
+      otherwise: branching needs a replayable environment).
+    Returns, per point, its n continuations as full trajectories (the
+    recorded prefix, then the new turns); `max_turns` counts the replayed
+    turns too.
+    """
+    if self._carry or self._finished:
+      raise ValueError("finish carried-over rollouts before branching")
+    if self.config.context_window is not None:
+      raise ValueError("branching needs an append-only context (context_window=None)")
+    if self.sampler is None:
+      raise ValueError("branching samples from the policy: it needs a sampler")
+    if seed is not None:
+      self._state = self._state.replace(rng=jax.random.key(seed))
+    self._temperature = self.config.temperature if temperature is None else temperature
+    self._version = policy_version
+    episodes, group_of_point = [], []
+    for task, traj, t in points:
+      if not 0 <= t < traj.num_turns:
+        raise ValueError(f"branch turn {t} outside the trajectory's "
+                         f"{traj.num_turns} turns")
+      if traj.context_starts is not None:
+        raise ValueError("cannot branch a sliding-window trajectory")
+      roles = [s.role for s in traj.segments[:1 + 2 * t]]
+      if roles != [Role.SYSTEM] + [Role.ASSISTANT, Role.OBSERVATION] * t:
+        raise ValueError("branching needs the rollout's layout: SYSTEM, then "
+                         "(ASSISTANT, OBSERVATION) per turn")
+      group = next(self._group_ids)
+      self._group_sizes[group] = n
+      group_of_point.append(group)
+      texts = [self.tok.decode(s.token_ids) for s in traj.segments[1:1 + 2 * t:2]]
+      for _ in range(n):
+        episodes.append(_Episode(task=task, group=group, env=self.env_factory(),
+                                 replay=traj.segments[:1 + 2 * t], replay_actions=texts,
+                                 rewards_check=list(traj.turn_rewards or [])[:t],
+                                 versions=list(traj.metadata.get("policy_versions", []))[:t],
+                                 stop_reasons=list(traj.metadata.get("stop_reasons", []))[:t]))
+    stats = _Stats(num_slots=self.sampler.num_slots)
+    self._finished = self._loop(episodes, False, None, stats)
+    by_group = collections.defaultdict(list)
+    for ep in self._complete_groups():
+      by_group[ep.group].append(self._record(ep))
+    return [by_group[g] for g in group_of_point]
+
+  def _complete_groups(self) -> list[_Episode]:
+    """Pops the finished episodes of every complete group, members adjacent."""
     groups = collections.defaultdict(list)
     for ep in self._finished:
       groups[ep.group].append(ep)
@@ -200,8 +293,7 @@ class RolloutEngine:
     self._finished = [ep for ep in self._finished if ep.group not in complete]
     for g in complete:
       del self._group_sizes[g]
-    trajectories = [self._record(ep) for ep in done]
-    return RolloutResult(trajectories, stats.summary(trajectories))
+    return done
 
   # -- The loop ---------------------------------------------------------------------
 
@@ -217,7 +309,9 @@ class RolloutEngine:
         ep = waiting.popleft()
         ep.slot = -1 if expert else self._free.pop()
         running.append(ep)
-        in_flight[self._pool.submit(self._timed, ep, ep.env.reset, ep.task)] = ep
+        setup = (functools.partial(self._replay, ep) if ep.replay is not None
+                 else ep.env.reset)
+        in_flight[self._pool.submit(self._timed, ep, setup, ep.task)] = ep
       ready = [ep for ep in running if not ep.done and ep.pending is not None]
       t0 = time.perf_counter()
       if self.config.lockstep:
@@ -247,6 +341,7 @@ class RolloutEngine:
       stats.generation += time.perf_counter() - t0
       for ep, (ids, logprobs, reason) in zip(ready, actions):
         ep.segments.append(Segment(Role.ASSISTANT, ids, logprobs))
+        ep.context_starts.append(ep.context_start)
         ep.stop_reasons.append(reason)
         ep.versions.append(self._version)
         ep.pending = None
@@ -261,7 +356,7 @@ class RolloutEngine:
     try:
       return fn(arg)
     except Exception as e:  # pylint: disable=broad-except
-      if fn == ep.env.reset:  # a task that cannot start is a setup bug: raise
+      if fn != ep.env.step:  # a task that cannot start is a setup bug: raise
         raise
       # Errors are observations: one bad environment never kills the rollout.
       return StepResult(f"Error: {type(e).__name__}: {e}", 0.0, False, False,
@@ -269,8 +364,43 @@ class RolloutEngine:
     finally:
       ep.env_time += time.perf_counter() - t0
 
+  @staticmethod
+  def _replay(ep: _Episode, task: Task) -> _Replayed:
+    """Resets and replays the recorded actions (in the env's thread)."""
+    observation, _ = ep.env.reset(task)
+    return _Replayed(observation, [ep.env.step(a) for a in ep.replay_actions])
+
+  def _collect_replay(self, ep: _Episode, replayed: _Replayed) -> None:
+    """Checks the replay reproduced the recording, then queues the prefix."""
+    def mismatch(what):
+      raise ValueError(
+          f"task {ep.task.task_id}: replaying the recorded actions gave a different "
+          f"{what}; branching needs an environment that replays exactly")
+    prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, replayed.observation)
+    if tuple(prompt) != ep.replay[0].token_ids:
+      mismatch("prompt")
+    for k, result in enumerate(replayed.steps):
+      action, recorded = ep.replay[1 + 2 * k], ep.replay[2 + 2 * k]
+      ep.observation = self._clip_observation(result.observation)
+      delta = self.fmt.observation_ids(self.tok, ep.observation, action.token_ids)
+      if result.terminated or result.truncated or tuple(delta) != recorded.token_ids:
+        mismatch(f"observation after turn {k}")
+      if k < len(ep.rewards_check) and result.reward != ep.rewards_check[k]:
+        mismatch(f"reward at turn {k}")
+      ep.rewards.append(result.reward)
+      ep.parts.update(result.info.get("reward_parts", {}))
+      ep.tool_calls += bool(result.info.get("tool_call"))
+      ep.tool_errors += bool(result.info.get("tool_error"))
+    ep.segments = list(ep.replay)
+    ep.context_starts = [ep.context_start] * len(replayed.steps)
+    ep.pending = [t for s in ep.segments for t in s.token_ids]
+    ep.fresh = True
+
   def _collect(self, ep: _Episode, result) -> None:
     """An env call came back: queue its tokens or end the episode."""
+    if isinstance(result, _Replayed):
+      self._collect_replay(ep, result)
+      return
     if isinstance(result, tuple):  # reset -> (observation, info)
       ep.observation = result[0]
       prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0])
@@ -294,11 +424,20 @@ class RolloutEngine:
     ep.observation = self._clip_observation(result.observation)
     delta = self.fmt.observation_ids(self.tok, ep.observation,
                                      ep.segments[-1].token_ids)
-    if ep.length + len(delta) + 1 > self.max_context:  # no room for another action
-      ep.finish(truncated=True, reason="context")
-      return
     ep.segments.append(Segment(Role.OBSERVATION, delta))
     ep.pending = delta
+    window = self.config.context_window
+    if window is not None and len(ep.rewards) > window:
+      # The window moves: the next action sees the prompt and the last k
+      # turns, so the slot restarts from that context (its cached keys and
+      # positions no longer match).
+      actions = [i for i, s in enumerate(ep.segments) if s.role == Role.ASSISTANT]
+      ep.context_start = actions[-window]
+      ep.pending = [t for s in ep.context for t in s.token_ids]
+      ep.fresh = True
+    if ep.length + 1 > self.max_context:  # no room for another action
+      ep.segments.pop()
+      ep.finish(truncated=True, reason="context")
 
   def _clip_observation(self, text: str) -> str:
     ids = tok_lib.encode(self.tok, text)
@@ -347,6 +486,8 @@ class RolloutEngine:
         segments=ep.segments, reward=float(sum(ep.rewards)),
         turn_rewards=list(ep.rewards), terminated=ep.terminated,
         truncated=ep.truncated,
+        context_starts=(None if self.config.context_window is None
+                        else list(ep.context_starts)),
         metadata={
             "task_id": ep.task.task_id, "level": ep.task.level,
             "group_id": ep.group, "n_turns": len(ep.rewards),
@@ -356,6 +497,12 @@ class RolloutEngine:
             "truncation": ep.truncation,
             "success": bool(ep.terminated and ep.parts.get("outcome", 0.0) > 0),
         })
+
+
+@dataclasses.dataclass
+class _Replayed:
+  observation: str  # the reset observation
+  steps: list[StepResult]  # what each replayed action returned
 
 
 @dataclasses.dataclass

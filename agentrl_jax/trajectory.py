@@ -102,6 +102,12 @@ class Trajectory:
   terminated: the task really ended (success or failure).
   truncated: a budget (turns, tokens, time) ran out first. Never both.
   metadata: free-form (task id, reward parts, n_turns, ...).
+  context_starts: None when the policy saw the whole prefix before each action
+    (append-only context). Under a sliding-window context policy, one entry
+    per ASSISTANT segment: when it sampled action k the sampler held only the
+    leading SYSTEM segments and `segments[context_starts[k]:]` up to action
+    k. Training then teacher-forces each action in that context
+    (`flatten_views`).
   """
 
   segments: list[Segment] = dataclasses.field(default_factory=list)
@@ -110,6 +116,7 @@ class Trajectory:
   terminated: bool = False
   truncated: bool = False
   metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+  context_starts: list[int] | None = None
 
   @property
   def num_turns(self) -> int:
@@ -136,25 +143,90 @@ class Trajectory:
             f"trajectory has {self.num_turns} ASSISTANT segments")
       if not all(math.isfinite(r) for r in self.turn_rewards):
         raise ValueError(f"turn rewards must be finite, got {self.turn_rewards}")
+    if self.context_starts is not None:
+      starts, actions = self.context_starts, self._action_indices()
+      if len(starts) != len(actions):
+        raise ValueError(
+            f"context_starts has {len(starts)} entries but the trajectory has "
+            f"{len(actions)} ASSISTANT segments")
+      n_sys = self._num_leading_system()
+      for k, (start, act) in enumerate(zip(starts, actions)):
+        if not n_sys <= start <= act:
+          raise ValueError(
+              f"context_starts[{k}]={start} must lie between the leading SYSTEM "
+              f"segments ({n_sys}) and action {k}'s segment ({act})")
+      if any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"context_starts must not decrease, got {starts}")
+
+  def _action_indices(self) -> list[int]:
+    return [i for i, s in enumerate(self.segments) if s.role == Role.ASSISTANT]
+
+  def _num_leading_system(self) -> int:
+    n = 0
+    while n < len(self.segments) and self.segments[n].role == Role.SYSTEM:
+      n += 1
+    return n
+
+  def _flat(self, indices: Sequence[int], trained: Sequence[int]) -> FlatTrajectory:
+    """Per-token arrays of segments[indices]; actions outside `trained` are context."""
+    ids, mask, turn, lps, has_lp = [], [], [], [], []
+    k_of = {i: k for k, i in enumerate(self._action_indices())}
+    for i in indices:
+      seg, n = self.segments[i], len(self.segments[i])
+      ids.append(np.asarray(seg.token_ids, np.int32).reshape(n))
+      is_trained = i in k_of and k_of[i] in trained
+      mask.append(np.full(n, float(is_trained), np.float32))
+      turn.append(np.full(n, k_of[i] if is_trained else -1, np.int32))
+      has = is_trained and seg.logprobs is not None
+      lps.append(np.asarray(seg.logprobs, np.float32) if has
+                 else np.zeros(n, np.float32))
+      has_lp.append(np.full(n, has, bool))
+    cat = np.concatenate
+    return FlatTrajectory(cat(ids), cat(mask), cat(turn), cat(lps), cat(has_lp))
 
   def flatten_all(self) -> FlatTrajectory:
     """All per-token arrays of the concatenated segments, aligned with ids."""
     self.validate()
-    ids, mask, turn, lps, has_lp = [], [], [], [], []
-    k = 0
-    for seg in self.segments:
-      n = len(seg)
-      ids.append(np.asarray(seg.token_ids, np.int32).reshape(n))
-      is_action = seg.role == Role.ASSISTANT
-      mask.append(np.full(n, float(is_action), np.float32))
-      turn.append(np.full(n, k if is_action else -1, np.int32))
-      has = seg.logprobs is not None
-      lps.append(np.asarray(seg.logprobs, np.float32) if has
-                 else np.zeros(n, np.float32))
-      has_lp.append(np.full(n, has, bool))
-      k += is_action
-    cat = np.concatenate
-    return FlatTrajectory(cat(ids), cat(mask), cat(turn), cat(lps), cat(has_lp))
+    return self._flat(range(len(self.segments)), range(self.num_turns))
+
+  def _view_groups(self) -> list[tuple[int, list[int]]]:
+    """(context start, actions sampled in that context), in order."""
+    groups: list[tuple[int, list[int]]] = []
+    for k, start in enumerate(self.context_starts):
+      if groups and groups[-1][0] == start:
+        groups[-1][1].append(k)
+      else:
+        groups.append((start, [k]))
+    return groups
+
+  @property
+  def num_views(self) -> int:
+    """How many sequences `flatten_views` returns."""
+    if self.context_starts is None:
+      return 1
+    return max(len(self._view_groups()), 1)
+
+  def flatten_views(self) -> list[FlatTrajectory]:
+    """The contexts the policy acted in, as one FlatTrajectory each.
+
+    Append-only trajectories have one view, `flatten_all()`. Under a sliding
+    window (`context_starts`), the actions sampled in the same window form
+    one view: the leading SYSTEM segments, then segments from the window's
+    start through the last of those actions (the final view runs to the
+    trajectory's end). Only those actions carry loss mask, turn index and
+    log-probs; earlier actions still inside the window are context (mask 0,
+    turn -1), since their loss belongs to the view they were sampled in.
+    """
+    self.validate()
+    if self.context_starts is None or not self.context_starts:
+      return [self.flatten_all()]
+    n_sys, actions = self._num_leading_system(), self._action_indices()
+    groups = self._view_groups()
+    views = []
+    for g, (start, turns) in enumerate(groups):
+      end = len(self.segments) if g == len(groups) - 1 else actions[turns[-1]] + 1
+      views.append(self._flat([*range(n_sys), *range(start, end)], turns))
+    return views
 
   def flatten(self) -> tuple[np.ndarray, np.ndarray]:
     """Returns (ids int32[L], loss_mask float32[L]); mask is 1 on ASSISTANT."""
@@ -171,6 +243,9 @@ class Trajectory:
     OBSERVATION segment. `Trajectory.from_steps` inverts this exactly.
     """
     self.validate()
+    if self.context_starts is not None:
+      raise ValueError("to_steps cannot represent a sliding-window trajectory "
+                       "(context_starts); use flatten_views")
     segs = list(self.segments)
     prompt: list[int] = []
     while segs and segs[0].role == Role.SYSTEM:
@@ -274,7 +349,9 @@ def truncate_to(traj: Trajectory, max_len: int) -> Trajectory:
       else list(traj.turn_rewards[:kept_turns]),
       terminated=False, truncated=True,
       metadata={**traj.metadata, "length_truncated": True,
-                "original_length": len(traj)})
+                "original_length": len(traj)},
+      context_starts=None if traj.context_starts is None
+      else list(traj.context_starts[:kept_turns]))
 
 
 @flax.struct.dataclass
@@ -292,7 +369,7 @@ class TokenBatch:
   advantages: jax.Array  # [B, L] float32, 0 until credit assignment paints it
   turn_index: jax.Array  # [B, L] int32, k on the k-th action of its trajectory, else -1
   seq_ids: jax.Array  # [B, L] int32, index into collate's input list; -1 on padding
-  positions: jax.Array  # [B, L] int32, position within its own trajectory
+  positions: jax.Array  # [B, L] int32, position within its own sequence (view)
   returns: jax.Array  # [B, L] float32, value targets at turn starts (GAE); else 0
 
   @property
@@ -327,13 +404,18 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
   return fits[0]
 
 
-def _pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
-  """First-fit-decreasing bin packing of trajectory indices into rows."""
+def _pack_rows(lengths: Sequence[int], row_len: int,
+               owners: Sequence[int]) -> list[list[int]]:
+  """First-fit-decreasing bin packing of sequence indices into rows.
+
+  Sequences with the same owner (views of one trajectory, which share a seq
+  id) never share a row, so attention by seq id cannot cross between them.
+  """
   rows: list[list[int]] = []
   space: list[int] = []
   for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
     for r, free in enumerate(space):
-      if lengths[i] <= free:
+      if lengths[i] <= free and all(owners[j] != owners[i] for j in rows[r]):
         rows[r].append(i)
         space[r] -= lengths[i]
         break
@@ -354,7 +436,10 @@ def collate(trajectories: Sequence[Trajectory], *,
   Args:
     trajectories: N trajectories. Trajectory i's tokens get `seq_ids == i`,
       which is how per-trajectory or per-turn advantages are painted on later
-      (`advantages.broadcast_trajectory_values`, `paint_turn_values`).
+      (`advantages.broadcast_trajectory_values`, `paint_turn_values`). A
+      sliding-window trajectory contributes one sequence per view
+      (`Trajectory.flatten_views`), each in its own row and all with seq id
+      i, positions restarting at 0 as in the sampler's re-prefilled cache.
     buckets: allowed row lengths L; the smallest one that fits the longest
       trajectory is used, so the jitted step sees few shapes. A trajectory
       longer than every bucket is an error (use `truncate_to` explicitly).
@@ -373,20 +458,23 @@ def collate(trajectories: Sequence[Trajectory], *,
   """
   if not trajectories:
     raise ValueError("collate needs at least one trajectory")
-  flats = []
+  flats, owners = [], []
   for i, traj in enumerate(trajectories):
     try:
-      flat = traj.flatten_all()
+      views = traj.flatten_views()
     except ValueError as e:
       raise ValueError(f"trajectory {i}: {e}") from None
-    if require_logprobs and not flat.has_logprobs[flat.loss_mask > 0].all():
-      raise ValueError(
-          f"trajectory {i} has ASSISTANT tokens without rollout logprobs; "
-          "pass require_logprobs=False for teacher-forced (SFT) data")
-    flats.append(flat)
+    for flat in views:
+      if require_logprobs and not flat.has_logprobs[flat.loss_mask > 0].all():
+        raise ValueError(
+            f"trajectory {i} has ASSISTANT tokens without rollout logprobs; "
+            "pass require_logprobs=False for teacher-forced (SFT) data")
+      flats.append(flat)
+      owners.append(i)
   lengths = [len(f.ids) for f in flats]
   row_len = bucket_length(max(lengths), buckets)
-  rows = _pack_rows(lengths, row_len) if pack else [[i] for i in range(len(flats))]
+  rows = (_pack_rows(lengths, row_len, owners) if pack
+          else [[i] for i in range(len(flats))])
   n_rows = len(rows) if num_rows is None else num_rows
   if len(rows) > n_rows:
     raise ValueError(f"{len(rows)} rows are needed but num_rows={num_rows}")
@@ -406,7 +494,7 @@ def collate(trajectories: Sequence[Trajectory], *,
       loss_mask[r, start:end] = f.loss_mask
       old_logprobs[r, start:end] = f.logprobs
       turn_index[r, start:end] = f.turn_index
-      seq_ids[r, start:end] = i
+      seq_ids[r, start:end] = owners[i]
       positions[r, start:end] = np.arange(lengths[i])
       start = end
   return TokenBatch(

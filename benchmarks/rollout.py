@@ -9,7 +9,10 @@ the bundled tokenizer) runs three ways in one process:
              concurrent env calls and decode cohorts, its throughput should
              stay close to the instant one (goal >= 0.8x);
   serial   - the reference text's loop, one episode after another, each
-             action decoded alone (instant environment), for reference.
+             action decoded alone (instant environment), for reference;
+  window   - batched, instant, with a sliding-window context of 1 turn: from
+             turn 2 on every turn re-prefills prompt + window instead of
+             extending by one observation (the documented cost of that policy).
 Every configuration compiles all its shapes first (`RolloutEngine.warmup`)
 and reports the median of 3 timed runs. The last line is `latency_overlap=X serial_vs_batched=Y` with X = slow /
 instant throughput and Y = serial / batched (instant) throughput.
@@ -56,17 +59,19 @@ def main():
   p.add_argument("--turns", type=int, default=4)
   p.add_argument("--action", type=int, default=32)
   p.add_argument("--delay", type=float, default=0.05)
+  p.add_argument("--cohort", type=int, default=0, help="decode batch (0: half)")
   args = p.parse_args()
   tok = T.load_tokenizer()
   model = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0))
   tasks = [Task(f"t{i}", f"Task number {i}.") for i in range(args.episodes)]
   tokens = args.episodes * args.turns * args.action
 
-  def throughput(num_slots, delay, decode_batch, episodes_per_run):
+  def throughput(num_slots, delay, decode_batch, episodes_per_run, window=None):
     sampler = Sampler(model, num_slots=num_slots, cache_length=512,
                       max_decode_length=args.action, length_buckets=(32, 64))
     config = RolloutConfig(max_turns=args.turns, max_action_tokens=args.action,
-                           env_workers=args.episodes, max_decode_batch=decode_batch)
+                           env_workers=args.episodes, max_decode_batch=decode_batch,
+                           context_window=window)
     engine = RolloutEngine(lambda: SleepyEnv(delay, args.turns), tok, T.CHATML,
                            sampler, config)
     engine.warmup()  # compile every shape before timing
@@ -82,15 +87,19 @@ def main():
     engine.close()
     return tokens / seconds, seconds
 
-  cohort = args.episodes // 2
+  cohort = args.cohort or args.episodes // 2
   instant, t_instant = throughput(args.episodes, 0.0, cohort, args.episodes)
   slow, t_slow = throughput(args.episodes, args.delay, cohort, args.episodes)
   serial, t_serial = throughput(1, 0.0, None, 1)
+  window, t_window = throughput(args.episodes, 0.0, cohort, args.episodes, window=1)
   print(f"{args.episodes} episodes x {args.turns} turns x {args.action}-token actions "
         f"(tiny Llama, CPU), decode cohorts of {cohort}:")
   print(f"  batched, instant env      {instant:8.0f} tok/s  ({t_instant:.2f} s)")
   print(f"  batched, {args.delay * 1e3:.0f} ms env steps  {slow:8.0f} tok/s  ({t_slow:.2f} s)")
   print(f"  serial episodes (seed's loop), instant env  {serial:8.0f} tok/s  ({t_serial:.2f} s)")
+  print(f"  batched, instant env, 1-turn sliding window  {window:8.0f} tok/s  "
+        f"({t_window:.2f} s)")
+  print(f"window_vs_append={window / instant:.2f}")
   print(f"latency_overlap={slow / instant:.2f} serial_vs_batched={serial / instant:.2f}")
 
 

@@ -93,3 +93,49 @@ def test_gae_reads_values_at_turn_starts_and_bootstraps_truncation():
     credit.assign("gae", trajs, batch)
   with pytest.raises(ValueError, match="known: \\('grpo'"):
     credit.assign("vtrace", trajs, batch)
+
+
+def test_gae_under_a_sliding_window_reads_each_turn_in_its_own_view():
+  # Trajectory 2 (3 turns, truncated) with a window: turn 2 saw the prompt
+  # and turn 1 only (segments: S 0, A0 1, O 2, A1 3, O 4, A2 5, O 6).
+  trajs = _trajs()
+  trajs[2].context_starts = [1, 1, 3]
+  for pack in (False, True):
+    batch = collate(trajs, buckets=(32,), pack=pack)
+    token_values = (10.0 * (batch.positions + 1)).astype(np.float32)
+    values, bootstrap = credit.turn_values_from_tokens(token_values, batch, 4, 3)
+    # View 0: S(0-2) A0(3-4) O(5-6) A1(7-9): V(s_0) at 2 -> 30, V(s_1) at 6 -> 70.
+    # View 1: S(0-2) A1(3-5) O(6-7) A2(8-11) O(12-13): V(s_2) at 7 -> 80, and
+    # the bootstrap at its last token 13 -> 140 (not view 0's last token).
+    np.testing.assert_allclose(values[2], [30.0, 70.0, 80.0])
+    assert bootstrap[2] == 140.0
+    np.testing.assert_allclose(values[0], [30.0, 70.0, 0.0])
+    assert bootstrap[0] == 120.0
+
+
+def test_branching_values_from_group_members_and_continuations_by_hand():
+  trajs = _trajs()  # rewards A [0, 1], B [.5] (group 0); C [0, 0, 1] truncated, D [.2, 0]
+  def continuation(rewards):
+    segs = [Segment(Role.SYSTEM, [1])]
+    for _ in rewards:
+      segs += [Segment(Role.ASSISTANT, [5], [-1.0]), Segment(Role.OBSERVATION, [7])]
+    return Trajectory(segs, sum(rewards), turn_rewards=rewards, terminated=True)
+  # Two continuations from A's state before turn 1: returns from t=1 of 0 and 1.
+  branches = {(0, 1): [continuation([0.0, 0.0]), continuation([0.0, 0.0, 1.0])]}
+  returns, mask = credit.branch_returns(trajs, branches, gamma=1.0, num_turns=3)
+  assert returns.shape == (4, 3, 3)
+  # V(s_0) samples are the group's returns: {1, .5} and {1, .2}.
+  np.testing.assert_allclose(returns[0, 0, :2], [1.0, 0.5])
+  np.testing.assert_allclose(returns[3, 0, :2], [1.0, 0.2])
+  np.testing.assert_allclose(returns[0, 1], [1.0, 0.0, 1.0])  # own + 2 branches
+  np.testing.assert_allclose(mask[2], [[1, 1, 0], [1, 0, 0], [1, 0, 0]])
+  batch = credit.assign("branching", trajs, collate(trajs, buckets=(32,)),
+                        gamma=1.0, num_turns=3, branch_values=(returns, mask))
+  # A: V(s0) = .75, V(s1) = 2/3 -> A0 = 0 + 2/3 - .75, A1 = 1 - 2/3.
+  assert _per_turn(batch, 0) == pytest.approx([2 / 3 - 0.75, 1 / 3], abs=1e-6)
+  assert _per_turn(batch, 1) == pytest.approx([0.5 - 0.75])
+  # C (truncated, bootstrap 0): V = .6, 1, 1 -> A = .4, 0, 1 - 1.
+  assert _per_turn(batch, 2) == pytest.approx([0.4, 0.0, 0.0], abs=1e-6)
+  assert _per_turn(batch, 3) == pytest.approx([0.2 - 0.6, 0.0], abs=1e-6)
+  with pytest.raises(ValueError, match="needs branch_values"):
+    credit.assign("branching", trajs, batch)

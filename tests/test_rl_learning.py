@@ -96,3 +96,38 @@ def test_curriculum_pool():
   assert len(rl.curriculum_pool(tasks, (), 0)) == 2
   with pytest.raises(ValueError, match="no task has them"):
     rl.curriculum_pool(tasks, ((0, (2,)),), 0)
+
+
+def _one_iteration(rollout_kw, rl_kw, loss_kw=None, value_head=False):
+  """One RL iteration of a random tiny policy on 2 tasks x 2 rollouts."""
+  model = models.Decoder(models.tiny_config("llama", value_head=value_head),
+                         rngs=nnx.Rngs(0))
+  sampler = Sampler(model, num_slots=16, cache_length=128, max_decode_length=8,
+                    length_buckets=(16, 64))
+  engine = RolloutEngine(LookupEnv, T.load_tokenizer(), T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True,
+                                       **rollout_kw))
+  tx = optax.adam(1e-4)
+  graphdef, state = train.init_train_state(model, tx, with_reference=False)
+  trainer = rl.RLTrainer(
+      engine, train.RLStep(graphdef, tx, train.LossConfig(**(loss_kw or {}))), state,
+      rl.RLConfig(group_size=2, tasks_per_iteration=2, buckets=(128,), **rl_kw), seed=0)
+  return trainer.iteration(LookupEnv.tasks("train", 2, 0), 1)
+
+
+def test_rl_iteration_with_a_sliding_window_trains_every_action_once():
+  m = _one_iteration({"context_window": 1}, {"credit": "gae"}, {"value_coef": 0.1},
+                     value_head=True)
+  # The random policy rambles: episodes reach the third turn, whose window
+  # (prompt + the previous turn only) is a second view of the episode.
+  assert m["rollout/turns_max"] == 3
+  assert m["train/batch_tokens"] == m["rollout/action_tokens_mean"] * m["rollout/episodes"]
+  assert m["train/skipped_updates"] == 0
+
+
+def test_rl_iteration_with_branching_baselines():
+  m = _one_iteration({}, {"credit": "branching", "branch_size": 2})
+  # Every turn after the first is a branch point with 2 continuations.
+  points = m["rollout/episodes"] * (m["rollout/turns_mean"] - 1)
+  assert points > 0 and m["rollout/branch_episodes"] == 2 * points
+  assert m["train/skipped_updates"] == 0

@@ -1,5 +1,6 @@
 """RolloutEngine on toy environments: ids, masks, isolation, budgets, seams."""
 
+import dataclasses
 import threading
 
 from flax import nnx
@@ -227,3 +228,64 @@ def test_every_bundled_env_end_to_end(name, tok, model, long_sampler):
     sampled = [x for s in t.segments if s.role == Role.ASSISTANT for x in s.token_ids]
     assert list(batch.tokens[i][on[i]]) == sampled
     assert t.terminated or t.truncated
+
+
+def test_sliding_window_context_matches_what_the_sampler_saw(tok, model, sampler):
+  CountdownEnv.instances.clear()
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=5, max_action_tokens=8, context_window=2))
+  trajs = engine.run(_tasks(2, steps=(5,)), group_size=2).trajectories
+  assert len(trajs) == 4
+  for t in trajs:
+    assert t.terminated and t.num_turns == 5
+    # Segments: prompt 0, action k at 1 + 2k. Actions 0-2 saw every turn;
+    # from action 3 on the window holds the prompt and the last 2 turns.
+    assert t.context_starts == [1, 1, 1, 3, 5]
+    assert t.num_views == 3
+  batch = collate(trajs, buckets=(128, 256))
+  assert batch.tokens.shape[0] == 12
+  # Teacher-forcing each action in its window reproduces the sampler's
+  # log-probs; teacher-forcing the whole flattened episode does not.
+  on = _assert_rescored(model, batch)
+  assert on.sum() == sum(len(s) for t in trajs for s in t.segments if s.role == Role.ASSISTANT)
+  whole = collate([dataclasses.replace(t, context_starts=None) for t in trajs],
+                  buckets=(128, 256))
+  logits = model(jnp.asarray(whole.tokens), jnp.asarray(whole.positions),
+                 jnp.asarray(whole.seq_ids))
+  lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(whole.tokens)))
+  late = whole.turn_index >= 3
+  assert np.abs(lp[late] - whole.old_logprobs[late]).max() > 1e-2
+  with pytest.raises(ValueError, match="context_window"):
+    RolloutEngine(CountdownEnv, tok, T.CHATML, sampler, RolloutConfig(context_window=0))
+
+
+def test_branch_replays_the_prefix_and_samples_on(tok, model, sampler):
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=8))
+  tasks = _tasks(2, steps=(5,))
+  trajs = engine.run(tasks, seed=0).trajectories
+  conts = engine.branch([(tasks[0], trajs[0], 2), (tasks[1], trajs[1], 0)], 3, seed=1)
+  assert [len(c) for c in conts] == [3, 3]
+  for c in conts[0]:
+    assert c.segments[:5] == trajs[0].segments[:5]  # prompt + 2 replayed turns
+    assert c.turn_rewards[:2] == trajs[0].turn_rewards[:2]
+    # max_turns counts the replayed turns: one new turn, then the budget.
+    assert c.num_turns == 3 and c.truncated and c.metadata["truncation"] == "max_turns"
+  assert len({c.segments[5].token_ids for c in conts[0]}) > 1, "sampled afresh"
+  assert all(c.segments[:1] == trajs[1].segments[:1] for c in conts[1])
+  # The slot was prefilled with the recorded tokens: the model re-scores the
+  # new actions exactly (and the replayed ones, recorded by the same model).
+  _assert_rescored(model, collate(conts[0] + conts[1], buckets=(256,)))
+
+  class Unreplayable(CountdownEnv):
+    resets = iter(range(10**6))
+
+    def reset(self, task):
+      super().reset(task)
+      return f"Attempt {next(self.resets)}.", {}
+
+  engine = RolloutEngine(Unreplayable, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=8))
+  (traj,) = engine.run(tasks[:1]).trajectories
+  with pytest.raises(ValueError, match="replays exactly"):
+    engine.branch([(tasks[0], traj, 1)], 2)

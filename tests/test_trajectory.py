@@ -364,3 +364,79 @@ def test_packed_loss_differs_if_attention_leaks():
   want = _loss(params, collate(trajs, buckets=(32,)), group_ids, "token-mean")
   got = _loss(params, packed, group_ids, "token-mean", model=leaky)
   assert not math.isclose(float(got), float(want), rel_tol=1e-4)
+
+
+def windowed_traj() -> Trajectory:
+  """S=2, then 3 turns (A=2, O=1 each); action 2 saw only the prompt + turn 1."""
+  segs = [Segment(Role.SYSTEM, [1, 2])]
+  for k in range(3):
+    segs.append(Segment(Role.ASSISTANT, [10 * k + 10, 10 * k + 11], [-0.1 * k - 0.1] * 2))
+    segs.append(Segment(Role.OBSERVATION, [10 * k + 15]))
+  return Trajectory(segs, reward=1.0, turn_rewards=[0.0, 0.5, 1.0], terminated=True,
+                    context_starts=[1, 1, 3])
+
+
+def test_sliding_window_views_by_hand():
+  traj = windowed_traj()
+  first, second = traj.flatten_views()
+  assert traj.num_views == 2
+  # View 0: S S | A0 A0 | O0 | A1 A1   (the last view's trailing obs O1 is not here)
+  np.testing.assert_array_equal(first.ids, [1, 2, 10, 11, 15, 20, 21])
+  np.testing.assert_array_equal(first.loss_mask, [0, 0, 1, 1, 0, 1, 1])
+  np.testing.assert_array_equal(first.turn_index, [-1, -1, 0, 0, -1, 1, 1])
+  # View 1: S S | A1 A1 (context now) | O1 | A2 A2 | O2 (runs to the end)
+  np.testing.assert_array_equal(second.ids, [1, 2, 20, 21, 25, 30, 31, 35])
+  np.testing.assert_array_equal(second.loss_mask, [0, 0, 0, 0, 0, 1, 1, 0])
+  np.testing.assert_array_equal(second.turn_index, [-1, -1, -1, -1, -1, 2, 2, -1])
+  np.testing.assert_allclose(second.logprobs, [0, 0, 0, 0, 0, -.3, -.3, 0], rtol=1e-6)
+  np.testing.assert_array_equal(second.has_logprobs, second.loss_mask > 0)
+  # Each action is trained exactly once over all views.
+  total = sum(v.loss_mask.sum() for v in traj.flatten_views())
+  assert total == traj.flatten_all().loss_mask.sum() == 6
+  # An all-prompt window is the append-only trajectory.
+  whole = Trajectory(traj.segments, 1.0, context_starts=[1, 1, 1])
+  (only,) = whole.flatten_views()
+  np.testing.assert_array_equal(only.ids, whole.flatten_all().ids)
+  np.testing.assert_array_equal(only.loss_mask, whole.flatten_all().loss_mask)
+
+
+def test_sliding_window_collate_rows_seq_ids_and_painting():
+  trajs = [windowed_traj(), exercise6_traj()]
+  batch = collate(trajs, buckets=(8, 16))
+  assert batch.tokens.shape == (3, 16)  # two views + one trajectory, one row each
+  np.testing.assert_array_equal(batch.seq_ids[:, 0], [0, 0, 1])
+  np.testing.assert_array_equal(batch.positions[1, :8], np.arange(8))
+  np.testing.assert_array_equal(batch.tokens[1, :8], [1, 2, 20, 21, 25, 30, 31, 35])
+  # Per-turn values land on each action in the view it was sampled in.
+  turn_values = jnp.asarray([[1.0, 2.0, 3.0], [7.0, 8.0, 0.0]])
+  painted = np.asarray(advantages.paint_turn_values(
+      turn_values, jnp.asarray(batch.seq_ids), jnp.asarray(batch.turn_index)))
+  np.testing.assert_array_equal(painted[0, :7], [0, 0, 1, 1, 0, 2, 2])
+  np.testing.assert_array_equal(painted[1, :8], [0, 0, 0, 0, 0, 3, 3, 0])
+  # "seq-mean-token-mean" treats the trajectory, over both its views, as one
+  # sequence: (mean over its 6 action tokens + mean over exercise 6's 4) / 2.
+  per_token = jnp.asarray(painted)
+  loss = losses.aggregate_loss(per_token, jnp.asarray(batch.loss_mask),
+                               "seq-mean-token-mean", seq_ids=jnp.asarray(batch.seq_ids))
+  assert float(loss) == pytest.approx(((2 * 1 + 2 * 2 + 2 * 3) / 6 + (2 * 7 + 2 * 8) / 4) / 2)
+  # Packing never puts two views of one trajectory in a row (they share a
+  # seq id, so attention could cross), though both would fit.
+  small = Trajectory(windowed_traj().segments[:3],
+                     1.0, context_starts=[1])
+  packed = collate([windowed_traj(), small], buckets=(16,), pack=True)
+  for row in packed.seq_ids:
+    starts = np.flatnonzero((row >= 0) & (np.r_[-2, row[:-1]] != row))
+    assert len(starts) == len(set(row[starts])), "one view per trajectory per row"
+  assert packed.tokens.shape[0] == 2
+
+
+def test_sliding_window_validation_and_truncation():
+  segs = windowed_traj().segments
+  for starts, match in [([1, 1], "has 2 entries"), ([0, 1, 1], "between"),
+                        ([1, 5, 5], "between"), ([1, 3, 1], "must not decrease")]:
+    with pytest.raises(ValueError, match=match):
+      Trajectory(segs, 1.0, context_starts=starts).validate()
+  with pytest.raises(ValueError, match="sliding-window"):
+    windowed_traj().to_steps()
+  cut = truncate_to(windowed_traj(), 7)  # S S A0 A0 O0 A1 A1
+  assert cut.context_starts == [1, 1] and cut.num_views == 1

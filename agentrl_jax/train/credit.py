@@ -8,6 +8,9 @@ The registry researchers swap in configs (`CREDIT_SCHEMES`):
   turn_returns  per-turn discounted return-to-go on each turn's tokens
   turn_grpo     returns-to-go normalised over each task's group of turns
   gae           GAE over turns with the policy's value head (needs values)
+  branching     critic-free per-turn TD advantages with Monte-Carlo values
+                V(s_t) from continuations sampled at each turn
+                (`RolloutEngine.branch`, `branch_returns`)
 
 Trajectory rewards are the episode returns; turn rewards are the per-step
 rewards the environment reported (outcome, format, cost and process parts).
@@ -24,7 +27,8 @@ from agentrl_jax import advantages as adv
 from agentrl_jax.train.step import decision_mask
 from agentrl_jax.trajectory import TokenBatch, Trajectory, turn_arrays
 
-CREDIT_SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "turn_grpo", "gae")
+CREDIT_SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "turn_grpo", "gae",
+                  "branching")
 
 
 def group_ids_of(trajs: Sequence[Trajectory]) -> np.ndarray:
@@ -37,25 +41,74 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
   """Reads V(s_t) at each turn's decision position, and V after the last turn.
 
   Returns (values [N, T], bootstrap [N]): the value head at the token before
-  each turn's first action, and at each trajectory's last token (the state
-  after its last turn, for truncated episodes).
+  each turn's first action (in the context that action was sampled in), and
+  at each trajectory's last token (the state after its last turn, for
+  truncated episodes; under a sliding window, the last token of the view
+  holding its last turn).
   """
-  on = np.asarray(decision_mask(jnp.asarray(batch.turn_index))) & (batch.seq_ids >= 0)
+  seq_ids, turn_index = batch.seq_ids, batch.turn_index
+  on = np.asarray(decision_mask(jnp.asarray(turn_index))) & (seq_ids >= 0)
   values = np.zeros((num_trajs, num_turns), np.float32)
   rows, cols = np.nonzero(on)
-  values[batch.seq_ids[rows, cols], batch.turn_index[rows, cols + 1]] = token_values[rows, cols]
+  values[seq_ids[rows, cols], turn_index[rows, cols + 1]] = token_values[rows, cols]
+  real = seq_ids >= 0
+  same_as_prev = np.pad(real[:, 1:] & (seq_ids[:, 1:] == seq_ids[:, :-1]),
+                        ((0, 0), (1, 0)))
+  # Runs of one seq id in a row are sequences (views never share a row).
+  run_id = np.cumsum(real & ~same_as_prev).reshape(seq_ids.shape) - 1
+  run_turn = np.full(int(run_id.max(initial=-1)) + 1, -1)
+  np.maximum.at(run_turn, run_id[real], turn_index[real])
+  last = real & ~np.pad(same_as_prev[:, 1:], ((0, 0), (0, 1)))
   bootstrap = np.zeros(num_trajs, np.float32)
-  real = batch.seq_ids >= 0
-  last = real & ~np.pad(real[:, 1:] & (batch.seq_ids[:, 1:] == batch.seq_ids[:, :-1]),
-                        ((0, 0), (0, 1)))
-  rows, cols = np.nonzero(last)
-  bootstrap[batch.seq_ids[rows, cols]] = token_values[rows, cols]
+  best = np.full(num_trajs, -2)
+  for r, c in zip(*np.nonzero(last)):
+    i, turn = seq_ids[r, c], run_turn[run_id[r, c]]
+    if turn > best[i]:
+      best[i], bootstrap[i] = turn, token_values[r, c]
   return values, bootstrap
+
+
+def _return_to_go(traj: Trajectory, t: int, gamma: float) -> float:
+  rewards, _ = turn_arrays([traj])
+  return float(sum(gamma ** k * r for k, r in enumerate(rewards[0, t:])))
+
+
+def branch_returns(trajs: Sequence[Trajectory],
+                   branches: dict[tuple[int, int], Sequence[Trajectory]], *,
+                   gamma: float = 1.0, num_turns: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """Monte-Carlo samples of V(s_t) for `advantages.branching_advantages`.
+
+  The samples of the state before trajectory i's turn t are its own return
+  from t on, plus: at t = 0, the returns of the other members of its group
+  (they all start from the task's initial state); at t >= 1, the returns
+  from t of `branches[(i, t)]`, continuations sampled from that state.
+
+  Returns (returns [N, T, K], mask [N, T, K]), K the most samples of a state.
+  """
+  turn_rewards, turn_mask = turn_arrays(trajs, num_turns)
+  own = np.asarray(adv.discounted_returns(turn_rewards, turn_mask, gamma))
+  groups = group_ids_of(trajs)
+  samples: dict[tuple[int, int], list[float]] = {}
+  for i, traj in enumerate(trajs):
+    if traj.num_turns:
+      samples[i, 0] = list(own[groups == groups[i], 0])
+    for t in range(1, traj.num_turns):
+      samples[i, t] = [own[i, t]] + [_return_to_go(c, t, gamma)
+                                     for c in branches.get((i, t), ())]
+  width = max([len(v) for v in samples.values()] + [1])
+  returns = np.zeros((*own.shape, width), np.float32)
+  mask = np.zeros((*own.shape, width), np.float32)
+  for (i, t), values in samples.items():
+    returns[i, t, :len(values)] = values
+    mask[i, t, :len(values)] = 1.0
+  return returns, mask
 
 
 def assign(scheme: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
            gamma: float = 1.0, lam: float = 0.95, num_turns: int | None = None,
-           token_values: np.ndarray | None = None) -> TokenBatch:
+           token_values: np.ndarray | None = None,
+           branch_values: tuple[np.ndarray, np.ndarray] | None = None) -> TokenBatch:
   """Fills `batch.advantages` (and `batch.returns` for "gae").
 
   Args:
@@ -65,6 +118,10 @@ def assign(scheme: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
     gamma, lam: turn discount and GAE lambda.
     num_turns: T of the [N, T] turn arrays (default: the longest episode).
     token_values: [B, L] value-head outputs on `batch` ("gae" only).
+    branch_values: (returns [N, T, K], mask [N, T, K]) from `branch_returns`
+      ("branching" only). The bootstrap after a truncated episode is 0: its
+      continuations ran under the same turn budget, so their returns stop
+      there too.
   """
   if scheme not in CREDIT_SCHEMES:
     raise ValueError(f"unknown credit scheme {scheme!r}; known: {CREDIT_SCHEMES}")
@@ -85,11 +142,20 @@ def assign(scheme: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
       per_turn = adv.group_normalize_turns(per_turn, turn_mask, groups)
     return batch.replace(advantages=np.asarray(
         adv.paint_turn_values(per_turn, seq_ids, turn_index)))
+  terminated = jnp.asarray([t.terminated for t in trajs])
+  if scheme == "branching":
+    if branch_values is None:
+      raise ValueError("credit scheme 'branching' needs branch_values (branch_returns)")
+    returns, mask = branch_values
+    a = adv.branching_advantages(jnp.asarray(returns), jnp.asarray(mask), turn_rewards,
+                                 turn_mask, terminated, jnp.zeros(len(trajs)),
+                                 gamma=gamma)
+    return batch.replace(advantages=np.asarray(
+        adv.paint_turn_values(a, seq_ids, turn_index)))
   if token_values is None:
     raise ValueError("credit scheme 'gae' needs token_values from the value head")
   values, bootstrap = turn_values_from_tokens(token_values, batch, len(trajs),
                                               turn_rewards.shape[1])
-  terminated = jnp.asarray([t.terminated for t in trajs])
   a, returns = adv.gae_over_turns(turn_rewards, values * turn_mask, turn_mask,
                                   terminated, gamma, lam, bootstrap)
   on = np.asarray(decision_mask(turn_index)) & (batch.seq_ids >= 0)

@@ -5,9 +5,14 @@ One `RLTrainer.iteration(tasks, it)`:
   1. G rollouts per task through the RolloutEngine (policy version = it);
   2. optional filtering of groups whose rewards have zero variance (their
      group-relative advantage is identically 0: they only cost compute);
-  3. collate into a fixed [tasks x G, bucket] batch (static shapes);
+  3. collate into a fixed [tasks x G, bucket] batch (static shapes; a
+     sliding-window context policy adds a row per extra view, rounded up to
+     a multiple of tasks x G so the step sees few shapes);
   4. credit assignment by name (`credit.assign`), with a value-head forward
-     for "gae";
+     for "gae", and for "branching" `branch_size` continuations sampled from
+     the state before every turn t >= 1 of every trajectory (a rollout cost
+     of about branch_size x mean turns extra episodes per trajectory; the
+     continuations only estimate values and are not trained on);
   5. the jitted train step, then weight sync into the sampler.
 
 Non-finite updates are skipped by the step; `max_bad_steps` in a row raise.
@@ -38,6 +43,7 @@ class RLConfig:
   gamma: float = 1.0
   lam: float = 0.95
   filter_zero_variance: bool = False
+  branch_size: int = 2  # continuations per intermediate state ("branching")
   buckets: tuple[int, ...] = (256, 512, 1024, 2048)
   max_bad_steps: int = 5
 
@@ -98,12 +104,17 @@ class RLTrainer:
     if not trajs:  # every group was flat: nothing to learn from this batch
       metrics["train/skipped_batch"] = 1.0
       return metrics
-    batch = collate(trajs, buckets=cfg.buckets,
-                    num_rows=cfg.tasks_per_iteration * cfg.group_size)
+    base = cfg.tasks_per_iteration * cfg.group_size
+    views = sum(t.num_views for t in trajs)
+    batch = collate(trajs, buckets=cfg.buckets, num_rows=base * -(-views // base))
     values = (np.asarray(self._values(self.state.params, batch))
               if cfg.credit == "gae" else None)
+    branch_values = None
+    if cfg.credit == "branching":
+      branch_values, metrics["rollout/branch_episodes"] = self._branch(tasks, trajs, it)
     batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
-                          num_turns=self.engine.config.max_turns, token_values=values)
+                          num_turns=self.engine.config.max_turns, token_values=values,
+                          branch_values=branch_values)
     key = jax.random.fold_in(jax.random.key(self.seed), it)
     self.state, train_metrics = self.step(self.state, batch, key)
     train_metrics = jax.device_get(train_metrics)
@@ -117,6 +128,20 @@ class RLTrainer:
     metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     return metrics
+
+
+  def _branch(self, tasks: Sequence[Task], trajs: Sequence[Trajectory], it: int):
+    """Continuations from every intermediate state -> `credit.branch_returns`."""
+    task_of = {t.task_id: t for t in tasks}
+    points = [(i, t) for i, traj in enumerate(trajs) for t in range(1, traj.num_turns)]
+    continuations = self.engine.branch(
+        [(task_of[trajs[i].metadata["task_id"]], trajs[i], t) for i, t in points],
+        self.cfg.branch_size, policy_version=it,
+        seed=(self.seed * 1_000_003 + it + 500_009) % 2**31) if points else []
+    values = credit.branch_returns(trajs, dict(zip(points, continuations)),
+                                   gamma=self.cfg.gamma,
+                                   num_turns=self.engine.config.max_turns)
+    return values, float(len(points) * self.cfg.branch_size)
 
 
 def _drop_flat_groups(trajs: Sequence[Trajectory]) -> list[Trajectory]:

@@ -28,7 +28,9 @@ def get_config():
   c.rollout = ml_collections.ConfigDict(dict(
       max_turns=8, max_action_tokens=16, max_observation_tokens=128,
       temperature=1.0, top_k=0, top_p=1.0, env_workers=8, lockstep=True,
-      system_prompt=ml_collections.FieldReference(None, field_type=str)))
+      system_prompt=ml_collections.FieldReference(None, field_type=str),
+      # Sliding-window context (keep the last k turns); None: append-only.
+      context_window=ml_collections.FieldReference(None, field_type=int)))
   c.sft = ml_collections.ConfigDict(dict(num_demos=256, steps=150, batch_size=16))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-3, warmup_steps=10, total_steps=400, end_lr_fraction=0.1,
@@ -44,5 +46,6 @@ def get_config():
       micro_batches=1))
   c.rl = ml_collections.ConfigDict(dict(
       group_size=8, tasks_per_iteration=8, credit="grpo", gamma=1.0, lam=0.95,
-      filter_zero_variance=False, buckets=(128, 256, 512, 768), max_bad_steps=5))
+      filter_zero_variance=False, branch_size=2, buckets=(128, 256, 512, 768),
+      max_bad_steps=5))
   return c

@@ -5,8 +5,9 @@
       --workdir=runs/fl_turn_grpo
 
 The config string after ':' picks the scheme: turn_returns (discounted
-return-to-go), turn_grpo (group-normalised return-to-go) or gae (value head,
-GAE over turns). The shaped reward (0.1 per cell closer to G) gives per-turn
+return-to-go), turn_grpo (group-normalised return-to-go), gae (value head,
+GAE over turns) or branching (Monte-Carlo values from `rl.branch_size`
+continuations sampled before every turn; several times the rollout cost). The shaped reward (0.1 per cell closer to G) gives per-turn
 signal to assign.
 """
 
