@@ -56,7 +56,8 @@ class Checkpointer:
     abstract_state: a pytree with the saved structure whose leaves are arrays
       or `jax.ShapeDtypeStruct`s (e.g. `jax.eval_shape(init_fn)`); the restored
       leaves take their dtypes and shardings (a struct without a sharding
-      lands on the default device).
+      lands on the default device), so `sharding.abstract_state` restores a
+      state saved on one mesh straight onto another.
     """
     self.wait()
     if step is None:

@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -26,7 +27,7 @@ import numpy as np
 from ml_collections import config_flags
 import tqdm
 
-from agentrl_jax import checkpointing, envs, metrics, models, train
+from agentrl_jax import checkpointing, envs, metrics, models, sharding, train
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
@@ -44,21 +45,33 @@ def build_model(cfg):
   dtype = jnp.dtype(cfg.model.dtype)
   if cfg.model.path:
     return models.from_pretrained(cfg.model.path, dtype=dtype,
-                                  value_head=cfg.rl.credit == "gae")
+                                  value_head=_value_head(cfg))
   return models.Decoder(models.tiny_config(
-      cfg.model.arch, dtype=dtype, param_dtype=dtype, value_head=cfg.rl.credit == "gae",
+      cfg.model.arch, dtype=dtype, param_dtype=dtype, value_head=_value_head(cfg),
       **cfg.model.tiny), rngs=nnx.Rngs(cfg.seed))
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
-  cfg = _CONFIG.value
-  workdir = pathlib.Path(_WORKDIR.value)
-  workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+def _value_head(cfg) -> bool:
+  return cfg.model.value_head or cfg.rl.credit == "gae"
 
-  # -- Model, sampler, environments ------------------------------------------------
+
+def build_mesh(cfg):
+  """The configured device mesh, or None for one device."""
+  mesh_cfg = sharding.MeshConfig(**cfg.mesh)
+  if mesh_cfg.shape == (1, 1, 1):
+    return None
+  rows = cfg.rl.tasks_per_iteration * cfg.rl.group_size
+  split = mesh_cfg.data * mesh_cfg.fsdp
+  for what, n in (("rl.tasks_per_iteration x rl.group_size", rows),
+                  ("sft.batch_size", cfg.sft.batch_size),
+                  ("sampler.num_slots", cfg.sampler.num_slots)):
+    if n % split:
+      raise ValueError(f"{what} = {n} must divide by mesh data x fsdp = {split}")
+  return sharding.make_mesh(mesh_cfg)
+
+
+def build(cfg, mesh=None):
+  """The model, its sampler and rollout engine, and the train/held-out tasks."""
   if max(cfg.rl.buckets) < cfg.sampler.cache_length:
     raise ValueError(f"the largest rl.buckets entry ({max(cfg.rl.buckets)}) must hold a "
                      f"full episode (sampler.cache_length={cfg.sampler.cache_length})")
@@ -67,7 +80,7 @@ def main(argv):
   sampler = Sampler(model, num_slots=cfg.sampler.num_slots,
                     cache_length=cfg.sampler.cache_length,
                     max_decode_length=cfg.rollout.max_action_tokens,
-                    length_buckets=tuple(cfg.sampler.length_buckets))
+                    length_buckets=tuple(cfg.sampler.length_buckets), mesh=mesh)
   env_cls = envs.env_class(cfg.env.name)
   engine = RolloutEngine(
       lambda: env_cls(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format),
@@ -76,6 +89,17 @@ def main(argv):
                               **cfg.env.task_kwargs)
   eval_tasks = env_cls.tasks("test", cfg.env.num_eval_tasks, cfg.seed,
                              **cfg.env.task_kwargs)
+  return model, sampler, engine, train_tasks, eval_tasks
+
+
+def run(cfg, workdir) -> dict:
+  """SFT then RL as configured, into `workdir` (resuming from it); the summary."""
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+  mesh = build_mesh(cfg)
+  model, sampler, engine, train_tasks, eval_tasks = build(cfg, mesh)
 
   # -- Train state, checkpoints, logging -------------------------------------------
   tx = train.make_optimizer(train.OptimConfig(**cfg.optim))
@@ -83,9 +107,19 @@ def main(argv):
   graphdef, state = train.init_train_state(model, tx, with_reference=cfg.loss.kl_beta > 0)
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
   progress = {"phase": "sft", "iteration": 0, "sft_success": None}
+
+  def sampled_success():
+    """Held-out success of the policy RL optimises (temperature 1), seeded."""
+    if not cfg.eval_samples:
+      return float("nan")
+    return rl.evaluate(engine, eval_tasks, temperature=1.0, samples=cfg.eval_samples,
+                       seed=cfg.seed + 12345)["success"]
   resume = ckpt.latest_step()
   if resume is not None:
-    state, progress = ckpt.restore(resume, abstract_state=jax.eval_shape(lambda: state))
+    abstract = jax.eval_shape(lambda: state)
+    if mesh is not None:  # restore straight into the shards
+      abstract = sharding.abstract_state(abstract, sharding.param_shardings(abstract, mesh))
+    state, progress = ckpt.restore(resume, abstract_state=abstract)
     sampler.update_params(state.params)
     print(f"resumed from {workdir / 'checkpoints'} step {resume}: {progress}")
   writer = metrics.MetricsWriter(workdir, resume_step=resume)
@@ -102,7 +136,8 @@ def main(argv):
         # SFT steps sit before RL on one axis: -steps .. -1, RL from 0.
         writer.write(i - cfg.sft.steps, m, prefix="sft/")
 
-    state = sft.distill(train.SFTStep(graphdef, tx), state, demos, steps=cfg.sft.steps,
+    state = sft.distill(train.SFTStep(graphdef, tx, mesh=mesh), state, demos,
+                        steps=cfg.sft.steps,
                         batch_size=cfg.sft.batch_size, buckets=cfg.rl.buckets,
                         seed=cfg.seed, on_step=on_step)
     bar.close()
@@ -111,13 +146,16 @@ def main(argv):
     state = state.replace(opt_state=rl_tx.init(state.params), ref_params=(
         jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_beta > 0 else None))
     progress = {"phase": "rl", "iteration": 0,
-                "sft_success": rl.evaluate(engine, eval_tasks)["success"]}
-    writer.write(0, {"success": progress["sft_success"]}, prefix="eval/")
+                "sft_success": rl.evaluate(engine, eval_tasks)["success"],
+                "sft_success_sampled": sampled_success()}
+    writer.write(0, {"success": progress["sft_success"],
+                     "success_sampled": progress["sft_success_sampled"]}, prefix="eval/")
     ckpt.save(0, state, progress)
   print(f"held-out success after SFT: {progress['sft_success']:.3f}")
 
   # -- RL ------------------------------------------------------------------------------
-  trainer = rl.RLTrainer(engine, train.RLStep(graphdef, rl_tx, train.LossConfig(**cfg.loss)),
+  trainer = rl.RLTrainer(engine, train.RLStep(graphdef, rl_tx, train.LossConfig(**cfg.loss),
+                                              mesh=mesh),
                          state, rl.RLConfig(**cfg.rl), seed=cfg.seed)
   first = progress["iteration"]
   bar = tqdm.tqdm(range(first, cfg.iterations), desc="RL", unit="it", initial=first,
@@ -126,9 +164,13 @@ def main(argv):
     rng = np.random.default_rng([cfg.seed, it])
     pool = rl.curriculum_pool(train_tasks, cfg.curriculum, it)
     tasks = [pool[i] for i in rng.choice(len(pool), cfg.rl.tasks_per_iteration, replace=False)]
+    t0 = time.perf_counter()
     m = trainer.iteration(tasks, it + 1)
+    m["time/iteration_s"] = time.perf_counter() - t0  # rollouts + credit + step
     if (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations:
       m.update({f"eval/{k}": v for k, v in rl.evaluate(engine, eval_tasks).items()})
+    if it + 1 == cfg.iterations:
+      m["eval/success_sampled"] = sampled_success()
     writer.write(it + 1, m)
     bar.set_postfix(reward=f"{m['rollout/reward_mean']:.2f}",
                     success=f"{m.get('eval/success', float('nan')):.2f}")
@@ -138,13 +180,25 @@ def main(argv):
   writer.close()
   engine.close()
 
-  final = metrics.read_metrics(workdir)[-1].get("eval/success", float("nan"))
+  last = metrics.read_metrics(workdir)[-1]
+  final = last.get("eval/success", float("nan"))
+  final_sampled = last.get("eval/success_sampled", float("nan"))
   plot_curves.plot({workdir.name: metrics.read_metrics(workdir)}, CURVE_KEYS,
                    workdir / "curves.png")
-  summary = {"sft_success": progress["sft_success"], "rl_success": final}
+  summary = {"sft_success": progress["sft_success"], "rl_success": final,
+             "sft_success_sampled": progress.get("sft_success_sampled", float("nan")),
+             "rl_success_sampled": final_sampled}
   (workdir / "summary.json").write_text(json.dumps(summary))
-  print(f"held-out success after SFT: {progress['sft_success']:.3f}, after RL: {final:.3f}")
+  print(f"held-out success after SFT: {progress['sft_success']:.3f}, after RL: {final:.3f} "
+        f"(greedy); sampled at temperature 1: {summary['sft_success_sampled']:.3f} -> "
+        f"{final_sampled:.3f}")
   print(f"curves: {workdir / 'curves.png'}; checkpoints: {workdir / 'checkpoints'}")
+  return summary
+
+
+def main(argv):
+  del argv
+  run(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ itself at temperature 1, no filtering: what `losses.token_logprobs`
 recomputes in the trainer, and what the trainer uses as old log-probs) and
 `sampled_logprobs` (under the temperature/top-k/top-p distribution the token
 was actually drawn from).
+
+Under a `mesh` the shardings are fixed at the jit boundary: parameters by
+`sharding.PARTITION_RULES`, slots (cache, lengths, logits) over ("data",
+"fsdp") and the cache's kv heads over "tensor" where they divide.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentrl_jax import sharding
 from agentrl_jax.models.decoder import Decoder, KVCache
 from agentrl_jax.sampling import stops as stops_lib
 from agentrl_jax.sampling.processing import SamplingParams, sample
@@ -77,34 +82,67 @@ class Action:
 
 
 class Sampler:
-  """Prefill / decode / extend over a fixed set of slots (see module doc)."""
+  """Prefill / decode / extend over a fixed set of slots (see module doc).
+
+  mesh: None (one device), or a `sharding.make_mesh` mesh to place the
+    parameters, the cache and the per-slot state on.
+  """
 
   def __init__(self, model: Decoder, *, num_slots: int, cache_length: int,
                max_decode_length: int = 256,
                length_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024),
-               max_stop_sequences: int = 8, max_stop_length: int = 8):
+               max_stop_sequences: int = 8, max_stop_length: int = 8,
+               mesh: jax.sharding.Mesh | None = None):
     self.cfg = model.cfg
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef, params = nnx.split(model)
     self.num_slots, self.cache_length = num_slots, cache_length
     self.max_decode_length = max_decode_length
     self.length_buckets = tuple(sorted(length_buckets))
     self.max_stop_sequences, self.max_stop_length = max_stop_sequences, max_stop_length
     self.compile_counts: collections.Counter = collections.Counter()
+    if mesh is None:
+      self.params, self._param_sharding, self._init_jit = params, None, None
+      extend_shardings = decode_shardings = {}
+    else:
+      ps = self._param_sharding = sharding.param_shardings(params, mesh)
+      abstract = jax.eval_shape(self._new_state, 0)
+      ss = abstract.replace(
+          cache=sharding.cache_sharding(abstract.cache, mesh),
+          lengths=sharding.rows_sharding(abstract.lengths, mesh),
+          next_logits=sharding.rows_sharding(abstract.next_logits, mesh),
+          rng=sharding.replicated(mesh))
+      rep = sharding.replicated(mesh)
+      self.params = sharding.shard(params, ps)
+      extend_shardings = dict(in_shardings=(ps, ss) + (rep,) * 4, out_shardings=ss)
+      decode_shardings = dict(in_shardings=(ps, ss) + (rep,) * 4, out_shardings=(ss, rep))
+      # Built in its shards: the whole cache never sits on one device.
+      self._init_jit = jax.jit(self._new_state, out_shardings=ss)
     # The state (and its cache) is donated: XLA updates it in place.
-    self._extend_jit = jax.jit(self._extend_impl, donate_argnums=(1,))
-    self._decode_jit = jax.jit(self._decode_impl, donate_argnums=(1,))
+    self._extend_jit = jax.jit(self._extend_impl, donate_argnums=(1,), **extend_shardings)
+    self._decode_jit = jax.jit(self._decode_impl, donate_argnums=(1,), **decode_shardings)
 
   def update_params(self, model_or_params) -> None:
     """Weight sync: the next call samples from these parameters.
 
-    Takes a device-side copy (no host round trip), so a train step that
-    donates its own parameters cannot delete the sampler's.
+    Never through the host: a device-side copy, so a train step that donates
+    its own parameters cannot delete the sampler's; under a mesh, a
+    device-to-device reshard when the given parameters are laid out
+    otherwise (a trainer on another mesh), else a copy in place.
     """
     if isinstance(model_or_params, nnx.Module):
       _, model_or_params = nnx.split(model_or_params)
-    self.params = jax.tree.map(jnp.copy, model_or_params)
+    if self._param_sharding is None:
+      self.params = jax.tree.map(jnp.copy, model_or_params)
+    else:
+      self.params = jax.device_put(model_or_params, self._param_sharding,
+                                   may_alias=False)
 
   def init_state(self, seed: int = 0) -> SamplerState:
+    if self._init_jit is None:
+      return self._new_state(seed)
+    return self._init_jit(seed)
+
+  def _new_state(self, seed) -> SamplerState:
     b = self.num_slots
     return SamplerState(
         cache=KVCache.zeros(self.cfg, b, self.cache_length),

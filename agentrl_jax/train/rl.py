@@ -68,9 +68,14 @@ def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequenc
 
 
 def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
-             temperature: float = 0.0) -> dict[str, float]:
-  """Held-out success and reward, one greedy (by default) episode per task."""
-  result = engine.run(tasks, 1, temperature=temperature)
+             temperature: float = 0.0, samples: int = 1,
+             seed: int | None = None) -> dict[str, float]:
+  """Held-out success and reward over `samples` episodes per task.
+
+  Greedy (temperature 0, one episode per task) by default; with sampling,
+  pass a `seed` so the evaluation is reproducible.
+  """
+  result = engine.run(tasks, samples, temperature=temperature, seed=seed)
   m = result.metrics
   return {"success": m["success_frac"], "reward": m["reward_mean"],
           "turns": m["turns_mean"], "truncated": m["truncated_frac"]}
@@ -98,6 +103,7 @@ class RLTrainer:
                              seed=(self.seed * 1_000_003 + it) % 2**31)
     trajs = result.trajectories
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
+    metrics["rollout/env_steps"] = float(sum(t.num_turns for t in trajs))
     if cfg.filter_zero_variance:
       trajs = _drop_flat_groups(trajs)
       metrics["rollout/kept_frac"] = len(trajs) / max(len(result.trajectories), 1)
@@ -111,7 +117,9 @@ class RLTrainer:
               if cfg.credit == "gae" else None)
     branch_values = None
     if cfg.credit == "branching":
-      branch_values, metrics["rollout/branch_episodes"] = self._branch(tasks, trajs, it)
+      branch_values, episodes, steps = self._branch(tasks, trajs, it)
+      metrics["rollout/branch_episodes"] = episodes
+      metrics["rollout/env_steps"] += steps
     batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
                           num_turns=self.engine.config.max_turns, token_values=values,
                           branch_values=branch_values)
@@ -131,7 +139,11 @@ class RLTrainer:
 
 
   def _branch(self, tasks: Sequence[Task], trajs: Sequence[Trajectory], it: int):
-    """Continuations from every intermediate state -> `credit.branch_returns`."""
+    """Continuations from every intermediate state -> `credit.branch_returns`.
+
+    Also returns how many continuations ran and the env steps they sampled
+    (their replayed turns aside).
+    """
     task_of = {t.task_id: t for t in tasks}
     points = [(i, t) for i, traj in enumerate(trajs) for t in range(1, traj.num_turns)]
     continuations = self.engine.branch(
@@ -141,7 +153,9 @@ class RLTrainer:
     values = credit.branch_returns(trajs, dict(zip(points, continuations)),
                                    gamma=self.cfg.gamma,
                                    num_turns=self.engine.config.max_turns)
-    return values, float(len(points) * self.cfg.branch_size)
+    steps = sum(c.num_turns - t for (_, t), conts in zip(points, continuations)
+                for c in conts)
+    return values, float(len(points) * self.cfg.branch_size), float(steps)
 
 
 def _drop_flat_groups(trajs: Sequence[Trajectory]) -> list[Trajectory]:

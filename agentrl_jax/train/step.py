@@ -1,7 +1,7 @@
 """The jitted RL and SFT train steps.
 
 `RLStep(graphdef, tx, cfg)` is `train_step(state, batch, rng) -> (state,
-metrics)`, jitted with the state donated:
+metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
 
   1. recompute the behaviour log-probs with the trainer (no grad) and log
      the rollout-vs-trainer gap; reference log-probs for the KL term;
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from agentrl_jax import losses
+from agentrl_jax import losses, sharding
 from agentrl_jax.masked import masked_mean
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.trajectory import TokenBatch
@@ -98,14 +98,46 @@ def _split(batch, n: int):
   return jax.tree.map(split, batch)
 
 
+class _StepJit:
+  """`step(state, batch) -> (state, metrics)` jitted with the state donated.
+
+  Under a mesh the shardings are fixed at the jit boundary: the state by the
+  partition rules, the same in and out (so donation reuses its buffers and
+  the next call finds the layout it was compiled for), batch rows over
+  ("data", "fsdp"), metrics replicated. The state's shardings follow its
+  tree, so that jit is built at the first call.
+  """
+
+  def __init__(self, step, mesh: jax.sharding.Mesh | None):
+    self._step, self._mesh = step, mesh
+    self._jit = jax.jit(step, donate_argnums=(0,)) if mesh is None else None
+    self._shardings = None
+
+  def __call__(self, state: TrainState, batch: TokenBatch):
+    if self._mesh is None:
+      return self._jit(state, batch)
+    if self._jit is None:
+      state_sharding = sharding.param_shardings(state, self._mesh)
+      self._shardings = (state_sharding, sharding.batch_sharding(self._mesh))
+      self._jit = jax.jit(self._step, donate_argnums=(0,), in_shardings=self._shardings,
+                          out_shardings=(state_sharding, sharding.replicated(self._mesh)))
+    # Commit both (a no-op once placed): jit traces committed and uncommitted
+    # inputs separately, and a host batch goes straight to its row shards.
+    return self._jit(*sharding.shard((state, batch), self._shardings))
+
+
 class RLStep:
-  """Jitted `(state, batch, rng) -> (state, metrics)`; see the module doc."""
+  """Jitted `(state, batch, rng) -> (state, metrics)`; see the module doc.
+
+  mesh: None (one device, or wherever the inputs already are), or a
+    `sharding.make_mesh` mesh to run data/FSDP/tensor parallel on.
+  """
 
   def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-               cfg: LossConfig):
+               cfg: LossConfig, *, mesh: jax.sharding.Mesh | None = None):
     self.graphdef, self.tx, self.cfg = graphdef, tx, cfg
     self.traces = 0
-    self._jit = jax.jit(self._step, donate_argnums=(0,))
+    self._jit = _StepJit(self._step, mesh)
 
   def __call__(self, state: TrainState, batch: TokenBatch, rng: jax.Array):
     """rng: reserved for stochastic losses; the current losses use none."""
@@ -204,12 +236,16 @@ class RLStep:
 
 
 class SFTStep:
-  """Jitted masked cross-entropy on ASSISTANT tokens (expert distillation)."""
+  """Jitted masked cross-entropy on ASSISTANT tokens (expert distillation).
 
-  def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+  mesh: as for `RLStep`.
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
+               mesh: jax.sharding.Mesh | None = None):
     self.graphdef, self.tx = graphdef, tx
     self.traces = 0
-    self._jit = jax.jit(self._step, donate_argnums=(0,))
+    self._jit = _StepJit(self._step, mesh)
 
   def __call__(self, state: TrainState, batch: TokenBatch):
     return self._jit(state, batch)

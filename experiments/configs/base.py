@@ -12,17 +12,25 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.iterations = 60
-  c.eval_every = 10
+  c.eval_every = 10  # greedy held-out success every k iterations
+  # Also after SFT and at the end: success at temperature 1 (what RL
+  # optimises), this many episodes per held-out task; 0 skips it.
+  c.eval_samples = 4
   c.checkpoint_every = 20
   c.keep_checkpoints = 2
   # ((first iteration, allowed task levels), ...); empty: all levels always.
   c.curriculum = ()
 
+  # Device mesh (agentrl_jax.sharding): data x fsdp x tensor must equal the
+  # device count; all 1 runs on one device without a mesh.
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+
   c.env = ml_collections.ConfigDict(dict(
       name="frozen_lake", kwargs={}, task_kwargs={}, chat_format="chatml",
       num_train_tasks=400, num_eval_tasks=64))
   c.model = ml_collections.ConfigDict(dict(
-      path="", tokenizer="", arch="llama", dtype="float32", tiny={}))
+      path="", tokenizer="", arch="llama", dtype="float32", tiny={},
+      value_head=False))  # always True when rl.credit == "gae"
   c.sampler = ml_collections.ConfigDict(dict(
       num_slots=64, cache_length=768, length_buckets=(32, 64, 128, 256)))
   c.rollout = ml_collections.ConfigDict(dict(

@@ -1,0 +1,301 @@
+"""Credit-assignment ablation: one RL run per scheme from the same SFT start.
+
+Drives `notebooks/credit_assignment.ipynb`; also runs as a script:
+
+  python experiments/credit_ablation.py --size=full --root=runs/credit_ablation
+
+For each seed, SFT runs once (`<root>/sft/seed<k>`, a `train_agent` run with
+0 RL iterations); every scheme's run (`<root>/<scheme>/seed<k>`) starts from
+a copy of that workdir, so all schemes resume from the identical SFT
+checkpoint and see the same tasks in the same order. The model always has a
+value head (only "gae" trains it), so the checkpoint fits every scheme.
+Finished runs are reused, so an interrupted ablation picks up where it was.
+
+The environment is text FrozenLake with the shaped per-turn reward (0.1 per
+cell closer to the goal), gamma 0.9 (`configs/frozen_lake_turn_credit.py`).
+"""
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from flax import nnx  # pylint: disable=wrong-import-position
+import jax  # pylint: disable=wrong-import-position
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+from agentrl_jax import checkpointing, metrics, train  # pylint: disable=wrong-import-position
+from agentrl_jax.train import credit, rl  # pylint: disable=wrong-import-position
+from agentrl_jax.trajectory import collate, turn_arrays  # pylint: disable=wrong-import-position
+from configs import frozen_lake_turn_credit  # pylint: disable=wrong-import-position
+import train_agent  # pylint: disable=wrong-import-position
+
+SCHEMES = ("grpo", "drgrpo", "turn_returns", "gae", "branching")
+
+# Overrides of configs/frozen_lake_turn_credit.py per size.
+SIZES = {
+    # A few minutes on 2 CPU cores: the test suite executes the notebook so.
+    "tiny": dict(seeds=(0,), overrides={
+        "iterations": 2, "eval_every": 1, "checkpoint_every": 100,
+        "sft.steps": 4, "sft.num_demos": 8, "sft.batch_size": 4,
+        "env.num_train_tasks": 40, "env.num_eval_tasks": 4,
+        "rl.tasks_per_iteration": 2, "rl.group_size": 2, "sampler.num_slots": 8}),
+    # The real comparison (runtime on this CPU: see the README).
+    "full": dict(seeds=(0, 1, 2), overrides={
+        "iterations": 30, "eval_every": 5, "checkpoint_every": 100,
+        "env.num_eval_tasks": 64}),
+}
+
+
+def config(scheme: str, seed: int, size: str):
+  cfg = frozen_lake_turn_credit.get_config(scheme)
+  cfg.seed = seed
+  cfg.model.value_head = True
+  for key, value in SIZES[size]["overrides"].items():
+    node = cfg
+    *path, leaf = key.split(".")
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  return cfg
+
+
+def _done(workdir: pathlib.Path) -> bool:
+  return (workdir / "summary.json").exists()
+
+
+def run(size: str, root, schemes=SCHEMES) -> dict:
+  """Runs (or reuses) every (scheme, seed); returns their metric rows."""
+  root = pathlib.Path(root)
+  results = {}
+  for seed in SIZES[size]["seeds"]:
+    sft_dir = root / "sft" / f"seed{seed}"
+    if not _done(sft_dir):
+      cfg = config(schemes[0], seed, size)
+      cfg.iterations = 0
+      train_agent.run(cfg, sft_dir)
+    for scheme in schemes:
+      workdir = root / scheme / f"seed{seed}"
+      if not _done(workdir):
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        shutil.copytree(sft_dir / "checkpoints", workdir / "checkpoints")
+        shutil.copy(sft_dir / "metrics.jsonl", workdir / "metrics.jsonl")
+        train_agent.run(config(scheme, seed, size), workdir)
+      results[scheme, seed] = metrics.read_metrics(workdir)
+  return results
+
+
+def curves(results: dict, key: str, x: str = "env_steps") -> dict:
+  """Per scheme: (x [n], mean [n], std [n]) over seeds of `key` at RL steps.
+
+  x: "env_steps" (cumulative environment steps sampled, branch
+  continuations included) or "wall_s" (cumulative seconds of rollouts,
+  credit assignment and train steps, evaluation excluded). Step 0 is the
+  shared SFT start.
+  """
+  out = {}
+  for scheme in dict.fromkeys(s for s, _ in results):
+    xs, ys = [], []
+    for (s, _), rows in results.items():
+      if s != scheme:
+        continue
+      rl_rows = [r for r in rows if r["step"] >= 0]
+      counter = "rollout/env_steps" if x == "env_steps" else "time/iteration_s"
+      total, pts = 0.0, {}
+      for r in rl_rows:
+        total += r.get(counter, 0.0)
+        if key in r:
+          pts[r["step"]] = (total, r[key])
+      xs.append([p[0] for _, p in sorted(pts.items())])
+      ys.append([p[1] for _, p in sorted(pts.items())])
+    n = min(len(v) for v in ys)
+    xs, ys = np.asarray([v[:n] for v in xs]), np.asarray([v[:n] for v in ys])
+    out[scheme] = (xs.mean(0), ys.mean(0), ys.std(0))
+  return out
+
+
+def plot(results: dict, path=None):
+  """Success and reward vs env steps and wall-clock, mean turns (mean +- std)."""
+  panels = [("eval/success", "env_steps", "held-out success (greedy)"),
+            ("rollout/success_frac", "env_steps", "rollout success (T=1)"),
+            ("rollout/reward_mean", "env_steps", "rollout reward"),
+            ("eval/success", "wall_s", "held-out success (greedy)"),
+            ("rollout/success_frac", "wall_s", "rollout success (T=1)"),
+            ("rollout/turns_mean", "env_steps", "turns per episode")]
+  fig, axes = plt.subplots(2, 3, figsize=(16, 7.5))
+  for ax, (key, x, label) in zip(axes.flat, panels):
+    for scheme, (xs, mean, std) in curves(results, key, x).items():
+      line, = ax.plot(xs, mean, label=scheme, marker="o", ms=3)
+      ax.fill_between(xs, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("environment steps" if x == "env_steps" else "train wall-clock (s)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[0, 0].legend(fontsize=8)
+  fig.tight_layout()
+  if path is not None:
+    fig.savefig(path, dpi=110)
+  return fig
+
+
+def summary_table(results: dict) -> list[dict]:
+  """Per scheme, mean over seeds: held-out greedy success at the SFT start and
+  at the end (with its std), rollout success (T=1, the same training tasks
+  for every scheme) over the first and last `window` iterations, and cost."""
+  rows = []
+  window = 10
+  for scheme in dict.fromkeys(s for s, _ in results):
+    runs = [rows_ for (s, _), rows_ in results.items() if s == scheme]
+    start = [next(r["eval/success"] for r in run if r["step"] == 0) for run in runs]
+    final = [[r for r in run if "eval/success" in r][-1]["eval/success"] for run in runs]
+    rollout = [[r["rollout/success_frac"] for r in run if r["step"] > 0] for run in runs]
+    rows.append({
+        "scheme": scheme, "seeds": len(runs),
+        "sft_success": float(np.mean(start)), "final_success": float(np.mean(final)),
+        "final_std": float(np.std(final)),
+        "rollout_first": float(np.mean([np.mean(v[:window]) for v in rollout])),
+        "rollout_last": float(np.mean([np.mean(v[-window:]) for v in rollout])),
+        "env_steps": float(np.mean([sum(r.get("rollout/env_steps", 0) for r in run)
+                                    for run in runs])),
+        "wall_s": float(np.mean([sum(r.get("time/iteration_s", 0) for r in run)
+                                 for run in runs]))})
+  return rows
+
+
+def _per_turn(batch, num_trajs: int, num_turns: int) -> np.ndarray:
+  """[N, T] advantage on each turn's tokens (NaN where a turn does not exist)."""
+  out = np.full((num_trajs, num_turns), np.nan, np.float32)
+  on = (batch.seq_ids >= 0) & (batch.turn_index >= 0)
+  out[batch.seq_ids[on], batch.turn_index[on]] = batch.advantages[on]
+  return out
+
+
+class _Policy:
+  """A config's model and rollout engine, loadable from any run's checkpoint."""
+
+  def __init__(self, cfg):
+    self.cfg = cfg
+    self.model, self.sampler, self.engine, _, self.eval_tasks = train_agent.build(cfg)
+    tx = train.make_optimizer(train.OptimConfig(**cfg.rl_optim))
+    self.graphdef, state = train.init_train_state(self.model, tx, with_reference=False)
+    self.abstract = jax.eval_shape(lambda: state)
+
+  def load(self, workdir: pathlib.Path, step: int | None = None):
+    """Restores a run's parameters (latest step by default) into the sampler."""
+    ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
+    state, _ = ckpt.restore(ckpt.latest_step() if step is None else step,
+                            abstract_state=self.abstract)
+    ckpt.close()
+    self.sampler.update_params(state.params)
+    return state.params
+
+
+def sampled_success(size: str, root, schemes=SCHEMES, *, samples: int = 4) -> dict:
+  """Held-out success at temperature 1 (the policy RL optimises).
+
+  `samples` episodes per held-out task, the same sampling seed for every
+  policy; "sft" is the shared start. Cached in each workdir
+  (sampled_eval.json). Returns {(scheme or "sft", seed): success}.
+  """
+  root = pathlib.Path(root)
+  out = {}
+  for seed in SIZES[size]["seeds"]:
+    policy = None
+    for name in ("sft", *schemes):
+      workdir = root / name / f"seed{seed}"
+      cache = workdir / "sampled_eval.json"
+      if not cache.exists():
+        policy = policy or _Policy(config(schemes[0], seed, size))
+        policy.load(workdir, 0 if name == "sft" else None)
+        m = rl.evaluate(policy.engine, policy.eval_tasks, temperature=1.0,
+                        samples=samples, seed=seed + 12345)
+        cache.write_text(json.dumps({"samples": samples, **m}))
+      out[name, seed] = json.loads(cache.read_text())["success"]
+    if policy is not None:
+      policy.engine.close()
+  return out
+
+
+def example_advantages(size: str, root, *, seed: int = 0, num_tasks: int = 2,
+                       group_size: int = 4) -> dict:
+  """The per-turn advantages every scheme assigns to the same trajectories.
+
+  The trajectories are sampled by the shared SFT policy on held-out maps;
+  "gae" reads the value head its own run trained, "branching" samples
+  continuations with the SFT policy. Returns {"turn_rewards": [N, T],
+  "success": [N], scheme: [N, T] advantages (NaN past an episode's end)}.
+  """
+  root = pathlib.Path(root)
+  policy = _Policy(config("grpo", seed, size))
+  cfg, engine = policy.cfg, policy.engine
+  critic = nnx.merge(policy.graphdef, policy.load(root / "gae" / f"seed{seed}"))
+  policy.load(root / "sft" / f"seed{seed}", 0)
+  tasks = policy.eval_tasks[:num_tasks]
+  trajs = engine.run(tasks, group_size, seed=seed).trajectories
+  batch = collate(trajs, buckets=cfg.rl.buckets)
+  turns = cfg.rollout.max_turns
+  common = dict(gamma=cfg.rl.gamma, lam=cfg.rl.lam, num_turns=turns)
+  reward_rows, _ = turn_arrays(trajs, turns)
+  out = {"turn_rewards": reward_rows,
+         "success": np.asarray([t.metadata["success"] for t in trajs])}
+  for scheme in ("grpo", "drgrpo", "turn_returns"):
+    out[scheme] = _per_turn(credit.assign(scheme, trajs, batch, **common), len(trajs), turns)
+  hidden, _ = critic.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
+  values = np.asarray(critic.values(hidden))
+  out["gae"] = _per_turn(credit.assign("gae", trajs, batch, token_values=values, **common),
+                         len(trajs), turns)
+  task_of = {t.task_id: t for t in tasks}
+  points = [(i, t) for i, traj in enumerate(trajs) for t in range(1, traj.num_turns)]
+  conts = engine.branch([(task_of[trajs[i].metadata["task_id"]], trajs[i], t)
+                         for i, t in points], cfg.rl.branch_size, seed=seed + 1)
+  branch_values = credit.branch_returns(trajs, dict(zip(points, conts)),
+                                        gamma=cfg.rl.gamma, num_turns=turns)
+  out["branching"] = _per_turn(credit.assign("branching", trajs, batch,
+                                             branch_values=branch_values, **common),
+                               len(trajs), turns)
+  engine.close()
+  return out
+
+
+def plot_advantages(example: dict, path=None):
+  """Heatmaps: turn rewards, then each scheme's per-turn advantages."""
+  keys = ["turn_rewards"] + [s for s in SCHEMES if s in example]
+  fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.6), sharey=True)
+  for ax, key in zip(axes, keys):
+    data = example[key].copy()
+    if key == "turn_rewards":
+      data[np.isnan(example["grpo"])] = np.nan
+    lim = np.nanmax(np.abs(data)) or 1.0
+    im = ax.imshow(data, cmap="coolwarm", vmin=-lim, vmax=lim, aspect="auto")
+    for (i, j), v in np.ndenumerate(data):
+      if not np.isnan(v):
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6)
+    ax.set_title(key, fontsize=9)
+    ax.set_xlabel("turn")
+    fig.colorbar(im, ax=ax, fraction=0.05)
+  axes[0].set_ylabel("trajectory (" + ", ".join(
+      "S" if s else "F" for s in example["success"]) + ")", fontsize=8)
+  fig.tight_layout()
+  if path is not None:
+    fig.savefig(path, dpi=110)
+  return fig
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--size", choices=sorted(SIZES), default="full")
+  p.add_argument("--root", default="runs/credit_ablation")
+  args = p.parse_args()
+  results = run(args.size, args.root)
+  for row in summary_table(results):
+    print(row)
+  print(sampled_success(args.size, args.root))
+  plot(results, pathlib.Path(args.root) / "ablation.png")
+
+
+if __name__ == "__main__":
+  main()
