@@ -1,6 +1,6 @@
 """agentrl_jax: multi-turn, tool-using (agentic) RL for language models in JAX."""
 
-from agentrl_jax import advantages, losses, masked, sharding, trajectory
+from agentrl_jax import advantages, distributed, losses, masked, sharding, trajectory
 from agentrl_jax.advantages import (
     branching_advantages, broadcast_trajectory_values, discounted_returns,
     gae_over_turns, group_normalize_turns, grpo_advantages, paint_turn_values,

@@ -8,6 +8,17 @@ tb/ (TensorBoard), checkpoints/ (orbax; rerunning with the same --workdir
 resumes from the latest one), curves.png. Prints held-out success after SFT
 and after RL. Same config and seed give identical results on CPU (the
 rollout runs in lockstep; see RolloutConfig.lockstep).
+
+Multi-host (one process per host, `agentrl_jax.distributed`): every host runs
+the same command with `--config.mesh.multihost=True` and a mesh over the
+devices of all hosts, e.g. on each worker of a TPU VM slice (`gcloud compute
+tpus tpu-vm ssh NAME --worker=all --command=...`), where JAX finds its peers
+itself; elsewhere add `--config.mesh.coordinator=HOST0:PORT
+--config.mesh.num_processes=N --config.mesh.process_id=I`. Each host samples
+on its own devices and environments (its share of every iteration's tasks);
+the train step runs on the global mesh. The workdir must be shared (NFS, a
+bucket): every process writes its shards of a checkpoint, and process 0 the
+metrics, plots and summary.
 """
 
 import json
@@ -27,7 +38,7 @@ import numpy as np
 from ml_collections import config_flags
 import tqdm
 
-from agentrl_jax import checkpointing, envs, metrics, models, sharding, train
+from agentrl_jax import checkpointing, distributed, envs, metrics, models, sharding, train
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
@@ -55,10 +66,14 @@ def _value_head(cfg) -> bool:
   return cfg.model.value_head or cfg.rl.credit == "gae"
 
 
+def _mesh_config(cfg) -> sharding.MeshConfig:
+  return sharding.MeshConfig(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
+
+
 def build_mesh(cfg):
-  """The configured device mesh, or None for one device."""
-  mesh_cfg = sharding.MeshConfig(**cfg.mesh)
-  if mesh_cfg.shape == (1, 1, 1):
+  """The configured (global) device mesh, or None for one device."""
+  mesh_cfg = _mesh_config(cfg)
+  if mesh_cfg.shape == (1, 1, 1) and not cfg.mesh.multihost:
     return None
   rows = cfg.rl.tasks_per_iteration * cfg.rl.group_size
   split = mesh_cfg.data * mesh_cfg.fsdp
@@ -70,8 +85,16 @@ def build_mesh(cfg):
   return sharding.make_mesh(mesh_cfg)
 
 
+def sampler_mesh(cfg, mesh):
+  """The training mesh, or with several hosts each one's own devices."""
+  return distributed.local_mesh(_mesh_config(cfg)) if cfg.mesh.multihost else mesh
+
+
 def build(cfg, mesh=None):
-  """The model, its sampler and rollout engine, and the train/held-out tasks."""
+  """The model, its sampler and rollout engine, and the train/held-out tasks.
+
+  mesh: the sampler's mesh (`sampler_mesh`), or None for one device.
+  """
   if max(cfg.rl.buckets) < cfg.sampler.cache_length:
     raise ValueError(f"the largest rl.buckets entry ({max(cfg.rl.buckets)}) must hold a "
                      f"full episode (sampler.cache_length={cfg.sampler.cache_length})")
@@ -92,14 +115,20 @@ def build(cfg, mesh=None):
   return model, sampler, engine, train_tasks, eval_tasks
 
 
-def run(cfg, workdir) -> dict:
-  """SFT then RL as configured, into `workdir` (resuming from it); the summary."""
+def run(cfg, workdir) -> dict | None:
+  """SFT then RL as configured, into `workdir` (resuming from it); the summary
+  (process 0's; the other processes of a multi-host run return None)."""
+  if cfg.mesh.multihost:  # before any other JAX call
+    distributed.initialize(cfg.mesh.coordinator, cfg.mesh.num_processes,
+                           cfg.mesh.process_id)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  primary = distributed.is_primary()
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+  if primary:
+    (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
   mesh = build_mesh(cfg)
-  model, sampler, engine, train_tasks, eval_tasks = build(cfg, mesh)
+  model, sampler, engine, train_tasks, eval_tasks = build(cfg, sampler_mesh(cfg, mesh))
 
   # -- Train state, checkpoints, logging -------------------------------------------
   tx = train.make_optimizer(train.OptimConfig(**cfg.optim))
@@ -121,20 +150,27 @@ def run(cfg, workdir) -> dict:
       abstract = sharding.abstract_state(abstract, sharding.param_shardings(abstract, mesh))
     state, progress = ckpt.restore(resume, abstract_state=abstract)
     sampler.update_params(state.params)
-    print(f"resumed from {workdir / 'checkpoints'} step {resume}: {progress}")
-  writer = metrics.MetricsWriter(workdir, resume_step=resume)
+    if primary:
+      print(f"resumed from {workdir / 'checkpoints'} step {resume}: {progress}")
+  writer = metrics.MetricsWriter(workdir, resume_step=resume) if primary else None
+
+  def log(step, m, prefix=""):
+    if writer is not None:
+      writer.write(step, m, prefix=prefix)
 
   # -- SFT warm start ------------------------------------------------------------------
   if progress["phase"] == "sft":
+    # Every host makes the same (scripted, seeded) demos: SFT batches are
+    # global values that each host places its shards of.
     demos = sft.expert_demos(engine, train_tasks[:cfg.sft.num_demos])
-    bar = tqdm.tqdm(total=cfg.sft.steps, desc="SFT", unit="step")
+    bar = tqdm.tqdm(total=cfg.sft.steps, desc="SFT", unit="step", disable=not primary)
 
     def on_step(i, m):
       bar.update()
       bar.set_postfix(loss=f"{m['sft_loss']:.3f}")
       if i % 10 == 0 or i == cfg.sft.steps - 1:
         # SFT steps sit before RL on one axis: -steps .. -1, RL from 0.
-        writer.write(i - cfg.sft.steps, m, prefix="sft/")
+        log(i - cfg.sft.steps, m, prefix="sft/")
 
     state = sft.distill(train.SFTStep(graphdef, tx, mesh=mesh), state, demos,
                         steps=cfg.sft.steps,
@@ -145,13 +181,16 @@ def run(cfg, workdir) -> dict:
     # RL starts from the SFT policy: it is also the KL reference.
     state = state.replace(opt_state=rl_tx.init(state.params), ref_params=(
         jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_beta > 0 else None))
+    if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards
+      state = sharding.shard(state, sharding.param_shardings(state, mesh))
     progress = {"phase": "rl", "iteration": 0,
                 "sft_success": rl.evaluate(engine, eval_tasks)["success"],
                 "sft_success_sampled": sampled_success()}
-    writer.write(0, {"success": progress["sft_success"],
-                     "success_sampled": progress["sft_success_sampled"]}, prefix="eval/")
+    log(0, {"success": progress["sft_success"],
+             "success_sampled": progress["sft_success_sampled"]}, prefix="eval/")
     ckpt.save(0, state, progress)
-  print(f"held-out success after SFT: {progress['sft_success']:.3f}")
+  if primary:
+    print(f"held-out success after SFT: {progress['sft_success']:.3f}")
 
   # -- RL ------------------------------------------------------------------------------
   trainer = rl.RLTrainer(engine, train.RLStep(graphdef, rl_tx, train.LossConfig(**cfg.loss),
@@ -159,7 +198,7 @@ def run(cfg, workdir) -> dict:
                          state, rl.RLConfig(**cfg.rl), seed=cfg.seed)
   first = progress["iteration"]
   bar = tqdm.tqdm(range(first, cfg.iterations), desc="RL", unit="it", initial=first,
-                  total=cfg.iterations)
+                  total=cfg.iterations, disable=not primary)
   for it in bar:
     rng = np.random.default_rng([cfg.seed, it])
     pool = rl.curriculum_pool(train_tasks, cfg.curriculum, it)
@@ -171,14 +210,16 @@ def run(cfg, workdir) -> dict:
       m.update({f"eval/{k}": v for k, v in rl.evaluate(engine, eval_tasks).items()})
     if it + 1 == cfg.iterations:
       m["eval/success_sampled"] = sampled_success()
-    writer.write(it + 1, m)
+    log(it + 1, m)
     bar.set_postfix(reward=f"{m['rollout/reward_mean']:.2f}",
                     success=f"{m.get('eval/success', float('nan')):.2f}")
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
       ckpt.save(it + 1, trainer.state, {**progress, "iteration": it + 1})
   ckpt.close()
-  writer.close()
   engine.close()
+  if not primary:
+    return None
+  writer.close()
 
   last = metrics.read_metrics(workdir)[-1]
   final = last.get("eval/success", float("nan"))

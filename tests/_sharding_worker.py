@@ -5,9 +5,7 @@ this process imports jax. Each check prints `PASS <name>` or `FAIL <name>`
 and a traceback; the exit code is the number of failures.
 """
 
-import sys
 import tempfile
-import traceback
 
 from flax import nnx
 import jax
@@ -18,14 +16,8 @@ import optax
 from agentrl_jax import models, sharding, train
 from agentrl_jax.checkpointing import Checkpointer
 from agentrl_jax.sampling import Sampler
-from test_train_step import _batch  # this script's directory leads sys.path
-
-CHECKS = []
-
-
-def check(fn):
-  CHECKS.append(fn)
-  return fn
+from _worker_checks import check, run_checks  # this script's directory leads sys.path
+from test_train_step import _batch
 
 
 def _mesh(**axes):
@@ -154,15 +146,7 @@ def checkpoint_restores_onto_another_mesh():
 
 def main():
   assert jax.device_count() == 8, jax.devices()
-  failures = 0
-  for fn in CHECKS:
-    try:
-      fn()
-      print(f"PASS {fn.__name__}", flush=True)
-    except Exception:  # pylint: disable=broad-except
-      failures += 1
-      print(f"FAIL {fn.__name__}\n{traceback.format_exc()}", flush=True)
-  sys.exit(failures)
+  run_checks()
 
 
 if __name__ == "__main__":

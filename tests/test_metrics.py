@@ -1,7 +1,6 @@
 """MetricsWriter / read_metrics, and the plot_curves script that reads them."""
 
 import glob
-import importlib.util
 import math
 import os
 import pathlib
@@ -112,11 +111,11 @@ def test_resume_step_drops_later_steps(tmp_path):
 
 
 def _load_plot_curves():
-  spec = importlib.util.spec_from_file_location(
-      "plot_curves", ROOT / "experiments" / "plot_curves.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  # One module object for every test: its absl flags can only be defined once.
+  if str(ROOT / "experiments") not in sys.path:
+    sys.path.insert(0, str(ROOT / "experiments"))
+  import plot_curves  # pylint: disable=import-outside-toplevel
+  return plot_curves
 
 
 def test_plot_writes_png_and_skips_missing_keys(tmp_path):

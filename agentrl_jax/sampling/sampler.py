@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax import sharding
+from agentrl_jax import distributed, sharding
 from agentrl_jax.models.decoder import Decoder, KVCache
 from agentrl_jax.sampling import stops as stops_lib
 from agentrl_jax.sampling.processing import SamplingParams, sample
@@ -127,11 +127,19 @@ class Sampler:
     Never through the host: a device-side copy, so a train step that donates
     its own parameters cannot delete the sampler's; under a mesh, a
     device-to-device reshard when the given parameters are laid out
-    otherwise (a trainer on another mesh), else a copy in place.
+    otherwise (a trainer on another mesh), else a copy in place. Parameters
+    that span several processes (a multi-host trainer) are resharded onto
+    this process's mesh (`distributed.to_local`; every process calls it).
     """
     if isinstance(model_or_params, nnx.Module):
       _, model_or_params = nnx.split(model_or_params)
-    if self._param_sharding is None:
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable
+           for x in jax.tree.leaves(model_or_params)):
+      if self._param_sharding is None:
+        raise ValueError("parameters spanning several processes need a sampler on a "
+                         "local mesh (distributed.local_mesh)")
+      self.params = distributed.to_local(model_or_params, self._param_sharding)
+    elif self._param_sharding is None:
       self.params = jax.tree.map(jnp.copy, model_or_params)
     else:
       self.params = jax.device_put(model_or_params, self._param_sharding,

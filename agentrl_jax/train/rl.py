@@ -15,6 +15,14 @@ One `RLTrainer.iteration(tasks, it)`:
      continuations only estimate values and are not trained on);
   5. the jitted train step, then weight sync into the sampler.
 
+With several processes (`agentrl_jax.distributed`) each one rolls out its
+share of the tasks on its own sampler and environments, collates and assigns
+credit to its own trajectories (whole groups, so group baselines stay
+local), and contributes its rows to the global batch of the step; the
+processes first agree on the row count and bucket length, so every one
+contributes the same static shape. Rollout metrics are combined over the
+processes, so every process returns the same dict.
+
 Non-finite updates are skipped by the step; `max_bad_steps` in a row raise.
 """
 
@@ -27,12 +35,18 @@ from flax import nnx
 import jax
 import numpy as np
 
+from agentrl_jax import distributed, sharding
 from agentrl_jax.envs.base import Task
 from agentrl_jax.rollout import RolloutEngine
 from agentrl_jax.train import credit
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.train.step import RLStep
-from agentrl_jax.trajectory import Trajectory, collate
+from agentrl_jax.trajectory import TokenBatch, Trajectory, bucket_length, collate
+
+# Rollout metrics that add up over processes, and those whose maximum counts.
+_SUMS = ("rollout/episodes", "rollout/env_steps", "rollout/branch_episodes",
+         "train/batch_tokens")
+_MAXIMA = ("rollout/turns_max", "rollout/env_wait_s", "rollout/generation_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +87,15 @@ def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
   """Held-out success and reward over `samples` episodes per task.
 
   Greedy (temperature 0, one episode per task) by default; with sampling,
-  pass a `seed` so the evaluation is reproducible.
+  pass a `seed` so the evaluation is reproducible. With several processes
+  each runs its share of `tasks` and every one returns the overall result.
   """
-  result = engine.run(tasks, samples, temperature=temperature, seed=seed)
+  result = engine.run(distributed.task_share(tasks), samples, temperature=temperature,
+                      seed=seed)
   m = result.metrics
-  return {"success": m["success_frac"], "reward": m["reward_mean"],
-          "turns": m["turns_mean"], "truncated": m["truncated_frac"]}
+  return distributed.combine(
+      {"success": m["success_frac"], "reward": m["reward_mean"],
+       "turns": m["turns_mean"], "truncated": m["truncated_frac"]}, m["episodes"])
 
 
 class RLTrainer:
@@ -89,8 +106,13 @@ class RLTrainer:
     self.engine, self.step, self.state, self.cfg = engine, step, state, cfg
     self.seed = seed
     self.bad_in_a_row = 0
+    if cfg.tasks_per_iteration % jax.process_count():
+      raise ValueError(f"tasks_per_iteration={cfg.tasks_per_iteration} must divide by "
+                       f"the {jax.process_count()} processes")
+    self._rows = None if step.mesh is None else sharding.batch_sharding(step.mesh)
     if cfg.credit == "gae":
-      self._values = jax.jit(self._values_impl)
+      # Values come back row-sharded: each process reads its own rows.
+      self._values = jax.jit(self._values_impl, out_shardings=self._rows)
 
   def _values_impl(self, params, batch):
     model = nnx.merge(self.step.graphdef, params)
@@ -99,32 +121,47 @@ class RLTrainer:
 
   def iteration(self, tasks: Sequence[Task], it: int) -> dict[str, float]:
     cfg = self.cfg
-    result = self.engine.run(tasks, cfg.group_size, policy_version=it,
-                             seed=(self.seed * 1_000_003 + it) % 2**31)
+    # Each process samples its own stream (the same one with one process).
+    seed = self.seed * 1_000_003 + it + 7919 * jax.process_index()
+    result = self.engine.run(distributed.task_share(tasks), cfg.group_size,
+                             policy_version=it, seed=seed % 2**31)
     trajs = result.trajectories
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
     metrics["rollout/env_steps"] = float(sum(t.num_turns for t in trajs))
     if cfg.filter_zero_variance:
       trajs = _drop_flat_groups(trajs)
       metrics["rollout/kept_frac"] = len(trajs) / max(len(result.trajectories), 1)
-    if not trajs:  # every group was flat: nothing to learn from this batch
+    # Static shapes, the same on every process: rows for the most views any
+    # process holds (a multiple of its share of tasks x G, so the step sees
+    # few shapes), the bucket of the longest sequence of any process.
+    any_kept, views, longest = distributed.agree_max([
+        len(trajs) > 0, sum(t.num_views for t in trajs),
+        max((len(f.ids) for t in trajs for f in t.flatten_views()), default=0)])
+    if not any_kept:  # every group was flat: nothing to learn from this batch
+      metrics = self._combine(metrics, len(result.trajectories))
       metrics["train/skipped_batch"] = 1.0
       return metrics
-    base = cfg.tasks_per_iteration * cfg.group_size
-    views = sum(t.num_views for t in trajs)
-    batch = collate(trajs, buckets=cfg.buckets, num_rows=base * -(-views // base))
-    values = (np.asarray(self._values(self.state.params, batch))
+    base = cfg.tasks_per_iteration * cfg.group_size // jax.process_count()
+    num_rows, length = base * -(-int(views) // base), bucket_length(int(longest), cfg.buckets)
+    batch = (collate(trajs, buckets=(length,), num_rows=num_rows) if trajs
+             else _padding_batch(num_rows, length))
+    to_global = lambda b: distributed.global_batch(b, self._rows)
+    values = (distributed.local_rows(self._values(self.state.params, to_global(batch)))
               if cfg.credit == "gae" else None)
     branch_values = None
     if cfg.credit == "branching":
-      branch_values, episodes, steps = self._branch(tasks, trajs, it)
+      branch_values, episodes, steps = (self._branch(tasks, trajs, it) if trajs
+                                        else (None, 0.0, 0.0))
       metrics["rollout/branch_episodes"] = episodes
       metrics["rollout/env_steps"] += steps
-    batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
-                          num_turns=self.engine.config.max_turns, token_values=values,
-                          branch_values=branch_values)
+    if trajs:
+      batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
+                            num_turns=self.engine.config.max_turns, token_values=values,
+                            branch_values=branch_values)
+    metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
+    metrics = self._combine(metrics, len(result.trajectories))
     key = jax.random.fold_in(jax.random.key(self.seed), it)
-    self.state, train_metrics = self.step(self.state, batch, key)
+    self.state, train_metrics = self.step(self.state, to_global(batch), key)
     train_metrics = jax.device_get(train_metrics)
     self.engine.sampler.update_params(self.state.params)
     skipped = float(train_metrics["skipped_updates"]) > 0
@@ -134,9 +171,12 @@ class RLTrainer:
           f"{self.bad_in_a_row} train steps in a row had a non-finite loss or "
           "gradient; stopping (lower the learning rate or check the rewards)")
     metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
-    metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     return metrics
 
+  @staticmethod
+  def _combine(metrics: dict[str, float], episodes: int) -> dict[str, float]:
+    """This process's rollout metrics -> those over every process."""
+    return distributed.combine(metrics, episodes, sums=_SUMS, maxima=_MAXIMA)
 
   def _branch(self, tasks: Sequence[Task], trajs: Sequence[Trajectory], it: int):
     """Continuations from every intermediate state -> `credit.branch_returns`.
@@ -156,6 +196,17 @@ class RLTrainer:
     steps = sum(c.num_turns - t for (_, t), conts in zip(points, continuations)
                 for c in conts)
     return values, float(len(points) * self.cfg.branch_size), float(steps)
+
+
+def _padding_batch(num_rows: int, length: int) -> TokenBatch:
+  """[num_rows, length] of padding only: a process whose groups were all
+  filtered out still contributes its rows to the global batch."""
+  zeros = lambda dtype: np.zeros((num_rows, length), dtype)
+  empty = np.full((num_rows, length), -1, np.int32)
+  return TokenBatch(tokens=zeros(np.int32), loss_mask=zeros(np.float32),
+                    old_logprobs=zeros(np.float32), advantages=zeros(np.float32),
+                    turn_index=empty, seq_ids=empty.copy(), positions=zeros(np.int32),
+                    returns=zeros(np.float32))
 
 
 def _drop_flat_groups(trajs: Sequence[Trajectory]) -> list[Trajectory]:

@@ -135,7 +135,7 @@ class RLStep:
 
   def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                cfg: LossConfig, *, mesh: jax.sharding.Mesh | None = None):
-    self.graphdef, self.tx, self.cfg = graphdef, tx, cfg
+    self.graphdef, self.tx, self.cfg, self.mesh = graphdef, tx, cfg, mesh
     self.traces = 0
     self._jit = _StepJit(self._step, mesh)
 

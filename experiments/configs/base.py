@@ -22,8 +22,14 @@ def get_config():
   c.curriculum = ()
 
   # Device mesh (agentrl_jax.sharding): data x fsdp x tensor must equal the
-  # device count; all 1 runs on one device without a mesh.
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  # device count (of all hosts); all 1 runs on one device without a mesh.
+  # multihost: one process per host (agentrl_jax.distributed); an empty
+  # coordinator lets jax.distributed.initialize() find everything itself
+  # (TPU VM slices, SLURM, ...), else "host:port" of process 0 with
+  # num_processes and this process's process_id.
+  c.mesh = ml_collections.ConfigDict(dict(
+      data=1, fsdp=1, tensor=1, multihost=False, coordinator="", num_processes=1,
+      process_id=0))
 
   c.env = ml_collections.ConfigDict(dict(
       name="frozen_lake", kwargs={}, task_kwargs={}, chat_format="chatml",
