@@ -6,12 +6,16 @@
 A 2-layer, d=128 model with the bundled tokenizer, trained from scratch on
 2 CPU cores: a short SFT on the scripted expert (BFS shortest path), which
 leaves the policy imperfect, then GRPO with 8 rollouts per 4x4 map on the
-outcome reward. The agent reads the grid each turn and answers with
-<move>left|down|right|up</move>.
+outcome reward, 8 maps (64 episodes) per update. The agent reads the grid
+each turn and answers with <move>left|down|right|up</move>.
 
-Measured on 2 CPU cores (2026-11-29, seeds 0/1/2, about 4.5 min each):
-held-out greedy success 0.656/0.680/0.398 after SFT, 0.633/0.625/0.688
-after RL. Not yet a reliable RL gain; see the README.
+Measured on 2 CPU cores (2026-11-29, seeds 0/1/2, about 7 min each),
+held-out success on 128 unseen maps:
+  greedy:                0.656/0.680/0.398 after SFT -> 0.656/0.688/0.727 after RL
+  temperature 1 (x4):    0.469/0.652/0.412 after SFT -> 0.586/0.662/0.572 after RL
+The previous setting (4 maps per update, RL lr 1e-4, 80 iterations) lowered
+the strongest seed (T=1: 0.652 -> 0.594); a batch twice as large and half
+the learning rate improve every seed.
 """
 
 import os
@@ -31,8 +35,10 @@ def get_config():
   c.sampler.cache_length = 512
   c.sampler.length_buckets = (32, 64, 128)
   c.rl.buckets = (256, 384, 512)
-  c.rl.tasks_per_iteration = 4
+  c.rl.tasks_per_iteration = 8
+  c.rl_optim.learning_rate = 5e-5
+  c.rl_optim.total_steps = 150
   c.env.num_eval_tasks = 128
   c.sft.steps = 150
-  c.iterations = 80
+  c.iterations = 60
   return c
