@@ -1,6 +1,6 @@
 """Rollout throughput: slow tools overlapped with decoding, and batched vs serial.
 
-  python benchmarks/rollout.py [--episodes 32 --turns 4 --delay 0.05]
+  python benchmarks/rollout.py [--episodes 32 --turns 4 --delay 0.05 --cohort 16]
 
 The same workload (32 episodes x 4 turns, 32-token actions, tiny Llama and
 the bundled tokenizer) runs three ways in one process:

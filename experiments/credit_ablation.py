@@ -251,12 +251,8 @@ def example_advantages(size: str, root, *, seed: int = 0, num_tasks: int = 2,
   values = np.asarray(critic.values(hidden))
   out["gae"] = _per_turn(credit.assign("gae", trajs, batch, token_values=values, **common),
                          len(trajs), turns)
-  task_of = {t.task_id: t for t in tasks}
-  points = [(i, t) for i, traj in enumerate(trajs) for t in range(1, traj.num_turns)]
-  conts = engine.branch([(task_of[trajs[i].metadata["task_id"]], trajs[i], t)
-                         for i, t in points], cfg.rl.branch_size, seed=seed + 1)
-  branch_values = credit.branch_returns(trajs, dict(zip(points, conts)),
-                                        gamma=cfg.rl.gamma, num_turns=turns)
+  branch_values, _, _ = rl.branch_values_of(engine, tasks, trajs, cfg.rl.branch_size,
+                                            gamma=cfg.rl.gamma, seed=seed + 1)
   out["branching"] = _per_turn(credit.assign("branching", trajs, batch,
                                              branch_values=branch_values, **common),
                                len(trajs), turns)

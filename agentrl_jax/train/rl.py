@@ -150,8 +150,11 @@ class RLTrainer:
               if cfg.credit == "gae" else None)
     branch_values = None
     if cfg.credit == "branching":
-      branch_values, episodes, steps = (self._branch(tasks, trajs, it) if trajs
-                                        else (None, 0.0, 0.0))
+      episodes, steps = 0.0, 0.0
+      if trajs:
+        branch_values, episodes, steps = branch_values_of(
+            self.engine, tasks, trajs, cfg.branch_size, gamma=cfg.gamma,
+            policy_version=it, seed=(self.seed * 1_000_003 + it + 500_009) % 2**31)
       metrics["rollout/branch_episodes"] = episodes
       metrics["rollout/env_steps"] += steps
     if trajs:
@@ -178,24 +181,26 @@ class RLTrainer:
     """This process's rollout metrics -> those over every process."""
     return distributed.combine(metrics, episodes, sums=_SUMS, maxima=_MAXIMA)
 
-  def _branch(self, tasks: Sequence[Task], trajs: Sequence[Trajectory], it: int):
-    """Continuations from every intermediate state -> `credit.branch_returns`.
+def branch_values_of(engine: RolloutEngine, tasks: Sequence[Task],
+                     trajs: Sequence[Trajectory], branch_size: int, *, gamma: float,
+                     policy_version: int = 0, seed: int | None = None):
+  """Continuations from every intermediate state -> `credit.branch_returns`.
 
-    Also returns how many continuations ran and the env steps they sampled
-    (their replayed turns aside).
-    """
-    task_of = {t.task_id: t for t in tasks}
-    points = [(i, t) for i, traj in enumerate(trajs) for t in range(1, traj.num_turns)]
-    continuations = self.engine.branch(
-        [(task_of[trajs[i].metadata["task_id"]], trajs[i], t) for i, t in points],
-        self.cfg.branch_size, policy_version=it,
-        seed=(self.seed * 1_000_003 + it + 500_009) % 2**31) if points else []
-    values = credit.branch_returns(trajs, dict(zip(points, continuations)),
-                                   gamma=self.cfg.gamma,
-                                   num_turns=self.engine.config.max_turns)
-    steps = sum(c.num_turns - t for (_, t), conts in zip(points, continuations)
-                for c in conts)
-    return values, float(len(points) * self.cfg.branch_size), float(steps)
+  Samples `branch_size` continuations before every turn t >= 1 of every
+  trajectory (the tasks they came from must be in `tasks`). Returns
+  (branch_values, continuations run, env steps they sampled, replayed turns
+  aside).
+  """
+  task_of = {t.task_id: t for t in tasks}
+  points = [(i, t) for i, traj in enumerate(trajs) for t in range(1, traj.num_turns)]
+  continuations = engine.branch(
+      [(task_of[trajs[i].metadata["task_id"]], trajs[i], t) for i, t in points],
+      branch_size, policy_version=policy_version, seed=seed) if points else []
+  values = credit.branch_returns(trajs, dict(zip(points, continuations)), gamma=gamma,
+                                 num_turns=engine.config.max_turns)
+  steps = sum(c.num_turns - t for (_, t), conts in zip(points, continuations)
+              for c in conts)
+  return values, float(len(points) * branch_size), float(steps)
 
 
 def _padding_batch(num_rows: int, length: int) -> TokenBatch:
