@@ -83,8 +83,9 @@ class RolloutConfig:
   # Smaller calls let decoding of one cohort overlap the tool calls of
   # another when environments are slow.
   max_decode_batch: int | None = None
-  # Before a decode, wait up to this long for env calls still in flight, so
-  # fast tools join the batch instead of trickling into many small decodes.
+  # Once an env call is back, wait up to this long for the rest of the calls
+  # submitted with it, so a batch of tools returns to one decode instead of
+  # trickling into many small ones.
   batch_wait_s: float = 0.005
   # Wait for every env call before each decode: batches (and so the random
   # numbers each episode draws) no longer depend on thread timing, which makes
@@ -114,6 +115,8 @@ class _Episode:
   pending: list | None = None  # tokens to feed before the next action
   fresh: bool = True  # pending starts the slot's context (prefill)
   observation: str = ""  # last observation (the expert's input)
+  ready_at: int = 0  # when pending was queued (the longest-waiting decode first)
+  batch: int = 0  # which submission round its env call came from
   replay: list | None = None  # recorded segments to replay before sampling (branch)
   replay_actions: list = dataclasses.field(default_factory=list)  # their action texts
   rewards_check: list = dataclasses.field(default_factory=list)  # recorded rewards
@@ -304,32 +307,30 @@ class RolloutEngine:
     in_flight: dict[cf.Future, _Episode] = {}
     generated = 0
     budget_spent = False
+    ticks = itertools.count()  # orders collections and submission rounds
     while True:
+      batch = next(ticks)
       while waiting and (expert or self._free) and not budget_spent:
         ep = waiting.popleft()
+        ep.batch = batch
         ep.slot = -1 if expert else self._free.pop()
         running.append(ep)
         setup = (functools.partial(self._replay, ep) if ep.replay is not None
                  else ep.env.reset)
         in_flight[self._pool.submit(self._timed, ep, setup, ep.task)] = ep
-      ready = [ep for ep in running if not ep.done and ep.pending is not None]
       t0 = time.perf_counter()
-      if self.config.lockstep:
-        done, _ = cf.wait(in_flight, return_when=cf.ALL_COMPLETED)
-      elif not ready and in_flight:
-        done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
-      else:
-        done, _ = cf.wait(in_flight, timeout=self.config.batch_wait_s)
+      done = (cf.wait(in_flight)[0] if budget_spent  # no more decodes: finish the calls
+              else self._gather(in_flight, len(self._ready(running))))
       stats.env_wait += time.perf_counter() - t0
       for future in done:
-        self._collect(in_flight.pop(future), future.result())
-      ready = [ep for ep in running if not ep.done and ep.pending is not None]
+        ep = in_flight.pop(future)
+        self._collect(ep, future.result())
+        ep.ready_at = next(ticks)
       for ep in [ep for ep in running if ep.done and ep.slot is not None]:
         self._release(ep)
       if budget_spent:
-        if not in_flight:
-          return running + list(waiting)
-        continue
+        return running + list(waiting)
+      ready = self._ready(running)
       if not ready:
         if not in_flight and not waiting:
           return running
@@ -339,16 +340,49 @@ class RolloutEngine:
       actions = (self._expert_actions(ready) if expert
                  else self._policy_actions(ready, stats))
       stats.generation += time.perf_counter() - t0
+      batch = next(ticks)
       for ep, (ids, logprobs, reason) in zip(ready, actions):
         ep.segments.append(Segment(Role.ASSISTANT, ids, logprobs))
         ep.context_starts.append(ep.context_start)
         ep.stop_reasons.append(reason)
         ep.versions.append(self._version)
         ep.pending = None
+        ep.batch = batch
         generated += len(ids)
         text = self.tok.decode(ids)
         in_flight[self._pool.submit(self._timed, ep, ep.env.step, text)] = ep
       budget_spent = token_budget is not None and generated >= token_budget
+
+  @staticmethod
+  def _ready(running: list[_Episode]) -> list[_Episode]:
+    """Episodes waiting for an action, longest-waiting first (cohorts stay whole)."""
+    return sorted((ep for ep in running if not ep.done and ep.pending is not None),
+                  key=lambda ep: ep.ready_at)
+
+  def _gather(self, in_flight: dict[cf.Future, _Episode], num_ready: int) -> set:
+    """The env calls to collect before the next decode.
+
+    Blocks for the first call only when no episode is ready. Calls submitted
+    together (one decode's actions, one round of resets) usually take about
+    as long, so once one is back the rest of its batch gets up to
+    `batch_wait_s` to join, while the decode batch has room; slow calls
+    nobody has heard from are not waited for. Lockstep waits for them all.
+    """
+    if self.config.lockstep:
+      return cf.wait(in_flight)[0]
+    room = self.config.max_decode_batch or len(in_flight) + num_ready
+    done = cf.wait(in_flight, timeout=None if num_ready == 0 else 0,
+                   return_when=cf.FIRST_COMPLETED)[0]
+    batches = {in_flight[f].batch for f in done}
+    siblings = {f for f, ep in in_flight.items() if ep.batch in batches} - done
+    deadline = time.perf_counter() + self.config.batch_wait_s
+    while siblings and num_ready + len(done) < room:
+      arrived, siblings = cf.wait(siblings, timeout=max(deadline - time.perf_counter(), 0),
+                                  return_when=cf.FIRST_COMPLETED)
+      if not arrived:
+        break
+      done |= arrived
+    return done
 
   @staticmethod
   def _timed(ep: _Episode, fn, arg):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import threading
+import time
 
 from flax import nnx
 import jax.numpy as jnp
@@ -166,6 +167,39 @@ def test_tool_exceptions_become_observations(tok):
   obs = tok.decode([i for s in t.segments if s.role == Role.OBSERVATION for i in s.token_ids])
   assert "Error: RuntimeError: tool crashed" in obs
   assert t.metadata["tool_errors"] == 2 and t.truncated
+
+
+def test_slow_tools_overlap_decoding_in_whole_cohorts(tok, model):
+  """Tools that take 0.2 s: one cohort decodes while the other's tools run,
+  nobody waits for calls not yet heard from, and a cohort whose calls come
+  back together decodes together (no trickle of small decodes)."""
+  class SlowTool(CountdownEnv):
+    def step(self, action):
+      time.sleep(0.2)
+      return super().step(action)
+
+  sampler = Sampler(model, num_slots=8, cache_length=256, max_decode_length=4,
+                    length_buckets=(16, 32, 64))
+  engine = RolloutEngine(SlowTool, tok, T.CHATML, sampler, RolloutConfig(
+      max_turns=3, max_action_tokens=4, env_workers=8, max_decode_batch=4,
+      batch_wait_s=0.1))
+  engine.warmup()
+  calls, decode = [], sampler.decode
+
+  def logged(state, slots, **kwargs):
+    t0 = time.perf_counter()
+    out = decode(state, slots, **kwargs)
+    calls.append((t0, time.perf_counter(), sorted(slots)))
+    return out
+
+  sampler.decode = logged
+  trajs = engine.run(_tasks(8, steps=(3,))).trajectories
+  assert [t.num_turns for t in trajs] == [3] * 8
+  cohorts = [slots for _, _, slots in calls]
+  assert [len(c) for c in cohorts] == [4] * 6
+  assert cohorts[0::2] == [cohorts[0]] * 3 and cohorts[1::2] == [cohorts[1]] * 3
+  # The second cohort's first decode did not wait for the first cohort's tools.
+  assert calls[1][0] - calls[0][1] < 0.05
 
 
 def test_partial_rollouts_carry_over_and_reprefill(tok, model, sampler):
