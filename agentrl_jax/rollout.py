@@ -322,7 +322,7 @@ class RolloutEngine:
       done = (cf.wait(in_flight)[0] if budget_spent  # no more decodes: finish the calls
               else self._gather(in_flight, len(self._ready(running))))
       stats.env_wait += time.perf_counter() - t0
-      for future in done:
+      for future in [f for f in in_flight if f in done]:  # submission order: deterministic
         ep = in_flight.pop(future)
         self._collect(ep, future.result())
         ep.ready_at = next(ticks)

@@ -202,6 +202,20 @@ def test_slow_tools_overlap_decoding_in_whole_cohorts(tok, model):
   assert calls[1][0] - calls[0][1] < 0.05
 
 
+def test_lockstep_runs_are_reproducible(tok, sampler):
+  def run():
+    engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler, RolloutConfig(
+        max_turns=4, max_action_tokens=8, lockstep=True, max_decode_batch=3))
+    trajs = engine.run(_tasks(4), group_size=2, seed=5).trajectories
+    engine.close()
+    return [[s.token_ids for s in t.segments] for t in trajs]
+
+  first = run()
+  assert len({str(ids) for ids in first}) > 1, "the episodes differ from each other"
+  for _ in range(3):
+    assert run() == first
+
+
 def test_partial_rollouts_carry_over_and_reprefill(tok, model, sampler):
   engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
                          RolloutConfig(max_turns=4, max_action_tokens=8))
