@@ -1,6 +1,21 @@
 """Shared test helpers."""
 
+import pytest
+
 from agentrl_jax import tokenizer as T
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+  """Processes that tests start (train_agent runs, the notebook's kernel)
+  share one persistent JAX compilation cache, so a tiny program they have in
+  common compiles once per session. This process imported JAX before, so it
+  does not use it."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+    mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    mp.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    yield
 
 
 def seam_split(tok) -> tuple[str, str]:

@@ -37,12 +37,9 @@ def test_committed_notebook_holds_a_full_run():
   assert sum(_images(c) for c in code) >= 2, "the curves and the advantage heatmaps"
 
 
-def test_notebook_executes_at_the_tiny_size(tmp_path, monkeypatch):
-  # Six runs build the same tiny programs: a persistent compilation cache
-  # (inherited by the kernel) compiles each once.
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
-  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+def test_notebook_executes_at_the_tiny_size(tmp_path):
+  # Six runs build the same tiny programs: the kernel inherits the session's
+  # persistent compilation cache (conftest), so each compiles once.
   nb = nbformat.read(NOTEBOOK, as_version=4)
   _parameters_cell(nb).source = f'SIZE = "tiny"\nROOT = {json.dumps(str(tmp_path))}'
   nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
