@@ -6,8 +6,9 @@ The loop (plain Python; only the sampler is jitted):
   collect   finished env calls: the prompt or the observation delta becomes
             the slot's pending tokens (encoded once, never re-rendered)
   feed      one `prefill` for new episodes, one `extend` for the others
-  act       one batched `decode` for every episode waiting for an action;
-            each action goes to its own environment in the thread pool
+  act       one batched `decode` for the episodes waiting for an action
+            (at most `max_decode_batch`, longest-waiting first); each action
+            goes to its own environment in the thread pool
 
 Environment calls run concurrently in threads while the sampler keeps
 decoding for the episodes whose observations are back, so a slow tool does
@@ -179,6 +180,7 @@ class RolloutEngine:
     self._group_sizes: dict[int, int] = {}
     self._group_ids = itertools.count()
     self._version: int | None = None
+    self._ticks = itertools.count()  # orders collections and submission rounds
     self._pool = cf.ThreadPoolExecutor(config.env_workers)
 
   def close(self):
@@ -307,7 +309,7 @@ class RolloutEngine:
     in_flight: dict[cf.Future, _Episode] = {}
     generated = 0
     budget_spent = False
-    ticks = itertools.count()  # orders collections and submission rounds
+    ticks = self._ticks  # across calls: carried episodes keep their place
     while True:
       batch = next(ticks)
       while waiting and (expert or self._free) and not budget_spent:
@@ -334,6 +336,10 @@ class RolloutEngine:
       if not ready:
         if not in_flight and not waiting:
           return running
+        if not in_flight and not (expert or self._free):
+          raise RuntimeError("episodes wait for a sampler slot but none is free or "
+                             "in use: an earlier call failed mid-rollout; make a new "
+                             "RolloutEngine")
         continue
       ready = ready[:self.config.max_decode_batch]
       t0 = time.perf_counter()

@@ -30,10 +30,18 @@ def llama_pair(*, layers=2, hidden=128, vocab=512, seed=0):
 
 def median_time(fn, repeats=5):
   """Median wall seconds of `fn()` over `repeats` runs after one warm-up."""
-  fn()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
+  return median_times([fn], repeats)[0]
+
+
+def median_times(fns, repeats=5):
+  """Median wall seconds of each fn over `repeats` rounds that run them in
+  turn (after one warm-up each): a drift in machine speed hits all alike."""
+  for fn in fns:
     fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  times = [[] for _ in fns]
+  for _ in range(repeats):
+    for fn, t in zip(fns, times):
+      t0 = time.perf_counter()
+      fn()
+      t.append(time.perf_counter() - t0)
+  return [statistics.median(t) for t in times]

@@ -9,13 +9,17 @@
 3. An agentic episode (T turns of A-token actions and O-token observations):
    `extend` (KV only for new tokens) vs re-prefilling the whole conversation
    every turn, as frameworks that re-render the chat do.
+4. The same episode (extend) with decode attending over the default cache
+   windows (S/4, S/2, S: the smallest that holds the contexts) vs always
+   over the whole cache.
 
-Timings are medians of 3 runs after a warm-up run that compiles everything.
+Timings are medians of 3 runs after a warm-up run that compiles everything
+(in 4, the two variants' runs alternate).
 """
 
 import argparse
 
-from common import llama_pair, median_time
+from common import llama_pair, median_time, median_times
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -89,11 +93,12 @@ def main():
   # 3: a T-turn episode, extend vs re-prefill.
   total = args.prompt + args.turns * (args.action + args.observation)
   buckets = tuple(sorted({args.prompt, args.observation, 256, 512, 1024, 2048, 4096}))
-  ep = Sampler(model, num_slots=b, cache_length=total, max_decode_length=args.action,
-               length_buckets=buckets)
+  kw = dict(num_slots=b, cache_length=total, max_decode_length=args.action,
+            length_buckets=buckets)
+  ep = Sampler(model, **kw)
   observations = rng.integers(0, 512, (args.turns, b, args.observation))
 
-  def episode(reprefill):
+  def episode(reprefill, ep=ep):
     state = ep.prefill(ep.init_state(), slots, prompts)
     history = [list(p) for p in prompts]
     for t in range(args.turns):
@@ -106,12 +111,17 @@ def main():
         state = ep.extend(state, slots, observations[t])
     jax.block_until_ready(state.next_logits)
 
-  t_ext = median_time(lambda: episode(False), 3)
+  # 4: the same episode, decode attending over the whole cache every step;
+  # its runs alternate with the windowed ones (the speed of this machine drifts).
+  whole = Sampler(model, attention_windows=(total,), **kw)
+  t_ext, t_whole = median_times([lambda: episode(False), lambda: episode(False, whole)], 3)
   t_re = median_time(lambda: episode(True), 3)
   print(f"\n{args.turns}-turn episode ({args.action}-token actions, "
         f"{args.observation}-token observations, {total} tokens per slot):")
   print(f"  extend (KV reuse)              {t_ext:7.2f} s")
   print(f"  re-prefill every turn          {t_re:7.2f} s   extend cost = {t_ext / t_re:.2f}x")
+  print(f"  extend, decode over whole cache {t_whole:5.2f} s   "
+        f"windows {ep.attention_windows} speed-up = {t_whole / t_ext:.2f}x")
 
 
 if __name__ == "__main__":

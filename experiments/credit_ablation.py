@@ -58,6 +58,8 @@ def config(scheme: str, seed: int, size: str):
   cfg = frozen_lake_turn_credit.get_config(scheme)
   cfg.seed = seed
   cfg.model.value_head = True
+  # Whole-cache decode, as when the committed notebook ran (see default.py).
+  cfg.sampler.attention_windows = (cfg.sampler.cache_length,)
   for key, value in SIZES[size]["overrides"].items():
     node = cfg
     *path, leaf = key.split(".")

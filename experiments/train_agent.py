@@ -103,7 +103,9 @@ def build(cfg, mesh=None):
   sampler = Sampler(model, num_slots=cfg.sampler.num_slots,
                     cache_length=cfg.sampler.cache_length,
                     max_decode_length=cfg.rollout.max_action_tokens,
-                    length_buckets=tuple(cfg.sampler.length_buckets), mesh=mesh)
+                    length_buckets=tuple(cfg.sampler.length_buckets),
+                    attention_windows=tuple(cfg.sampler.attention_windows) or None,
+                    mesh=mesh)
   env_cls = envs.env_class(cfg.env.name)
   engine = RolloutEngine(
       lambda: env_cls(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format),

@@ -10,7 +10,8 @@ def shared_compilation_cache(tmp_path_factory):
   """Processes that tests start (train_agent runs, the notebook's kernel)
   share one persistent JAX compilation cache, so a tiny program they have in
   common compiles once per session. This process imported JAX before, so it
-  does not use it."""
+  does not use it; nor do the multi-host workers, which run side by side and
+  get an environment built at import (test_multihost.ENV)."""
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
     mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -32,6 +32,9 @@ def test_config_builds(name):
   assert not {t.task_id for t in train_tasks} & {t.task_id for t in eval_tasks}
   assert model.cfg.value_head == (cfg.rl.credit == "gae")
   assert sampler.cache_length == cfg.sampler.cache_length
+  s = cfg.sampler.cache_length
+  assert sampler.attention_windows == (tuple(cfg.sampler.attention_windows)
+                                       or (s // 4, s // 2, s))
   engine.close()
 
 

@@ -59,7 +59,7 @@ def test_rl_improves_held_out_success_from_sft():
   tok = T.load_tokenizer()
   model = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0))
   sampler = Sampler(model, num_slots=128, cache_length=128, max_decode_length=8,
-                    length_buckets=(16, 64))
+                    length_buckets=(16, 64), attention_windows=(128,))  # fewer compiles
   engine = RolloutEngine(LookupEnv, tok, T.CHATML, sampler,
                          RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True))
   train_tasks = LookupEnv.tasks("train", 256, 0)

@@ -170,19 +170,19 @@ def test_tool_exceptions_become_observations(tok):
 
 
 def test_slow_tools_overlap_decoding_in_whole_cohorts(tok, model):
-  """Tools that take 0.2 s: one cohort decodes while the other's tools run,
+  """Tools that take 0.3 s: one cohort decodes while the other's tools run,
   nobody waits for calls not yet heard from, and a cohort whose calls come
   back together decodes together (no trickle of small decodes)."""
   class SlowTool(CountdownEnv):
     def step(self, action):
-      time.sleep(0.2)
+      time.sleep(0.3)
       return super().step(action)
 
   sampler = Sampler(model, num_slots=8, cache_length=256, max_decode_length=4,
                     length_buckets=(16, 32, 64))
   engine = RolloutEngine(SlowTool, tok, T.CHATML, sampler, RolloutConfig(
       max_turns=3, max_action_tokens=4, env_workers=8, max_decode_batch=4,
-      batch_wait_s=0.1))
+      batch_wait_s=0.15))
   calls, decode = [], sampler.decode
 
   def logged(state, slots, **kwargs):
@@ -198,7 +198,23 @@ def test_slow_tools_overlap_decoding_in_whole_cohorts(tok, model):
   assert [len(c) for c in cohorts] == [4] * 6
   assert cohorts[0::2] == [cohorts[0]] * 3 and cohorts[1::2] == [cohorts[1]] * 3
   # The second cohort's first decode did not wait for the first cohort's tools.
-  assert calls[1][0] - calls[0][1] < 0.05
+  assert calls[1][0] - calls[0][1] < 0.1
+
+
+def test_carried_episodes_decode_before_new_ones(tok, sampler):
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler, RolloutConfig(
+      max_turns=4, max_action_tokens=8, max_decode_batch=2, lockstep=True))
+  calls, decode = [], sampler.decode
+  sampler.decode = lambda state, slots, **kw: calls.append(sorted(slots)) or decode(
+      state, slots, **kw)
+  try:
+    assert engine.run(_tasks(2, steps=(4,)), token_budget=8).trajectories == []
+    carried = calls[-1]
+    calls.clear()
+    engine.run(_tasks(2, steps=(4,)), token_budget=8)
+  finally:
+    sampler.decode = decode
+  assert calls[0] == carried, "the longest-waiting episodes go first"
 
 
 def test_lockstep_runs_are_reproducible(tok, sampler):

@@ -144,8 +144,9 @@ def test_a_stopping_slot_does_not_affect_others(sampler):
 
 
 def test_no_recompilation_across_turns_and_episodes(model):
+  # One attention window: the decode programs are then one per row bucket.
   sampler = Sampler(model, num_slots=4, cache_length=CACHE, max_decode_length=8,
-                    length_buckets=(8, 16))
+                    length_buckets=(8, 16), attention_windows=(CACHE,))
   rng = np.random.default_rng(1)
 
   def episode(seed, slots):
@@ -178,6 +179,41 @@ def test_no_recompilation_across_turns_and_episodes(model):
   assert dict(sampler.compile_counts) == {"extend": 2, "decode": 2}
 
 
+def test_windowed_decode_equals_full_cache_decode(model):
+  """Attending over a cache prefix gives the full cache's tokens and
+  log-probs; the window grows with the contexts, and warmup compiled every
+  window beforehand."""
+  kw = dict(num_slots=2, cache_length=CACHE, max_decode_length=12, length_buckets=(8, 16))
+  windowed = Sampler(model, attention_windows=(16, 48, CACHE), **kw)
+  full = Sampler(model, attention_windows=(CACHE,), **kw)
+  warm = windowed.warmup(windowed.init_state()).replace(rng=jax.random.key(7))
+  counts = dict(windowed.compile_counts)
+  assert counts == {"extend": 2 * 2, "decode": 2 * 3}  # rows {1, 2} x buckets / windows
+  assert np.asarray(warm.lengths).tolist() == [0, 0]
+  rng = np.random.default_rng(3)
+  prompts = [list(rng.integers(0, 64, n)) for n in (3, 9)]
+  states = [s.prefill(st, [1, 0], prompts)
+            for s, st in ((windowed, warm), (full, full.init_state(7)))]
+  for turn, (budget, temperature) in enumerate([(4, 0.0), (12, 1.0), (12, 0.7), (12, 1.0),
+                                                (4, 0.0)]):
+    got = []
+    for i, s in enumerate((windowed, full)):
+      states[i], actions = s.decode(states[i], [1, 0], max_new_tokens=budget,
+                                    temperature=temperature)
+      got.append(actions)
+    for slot in (1, 0):
+      assert got[0][slot].tokens == got[1][slot].tokens, (turn, slot)
+      np.testing.assert_allclose(got[0][slot].raw_logprobs, got[1][slot].raw_logprobs,
+                                 atol=1e-5)
+    observation = [list(rng.integers(0, 64, 8))] * 2
+    states = [s.extend(st, [1, 0], observation) for s, st in zip((windowed, full), states)]
+  # Contexts grew from 9 + 4 to 93 tokens (the third decode, from 41 to 53,
+  # crosses 48): every window was used, none compiled after warmup.
+  assert int(np.max(np.asarray(states[0].lengths))) > 48
+  assert dict(windowed.compile_counts) == counts and full.compile_counts["decode"] == 1
+  np.testing.assert_array_equal(np.asarray(states[0].lengths), np.asarray(states[1].lengths))
+
+
 def test_cache_full_and_input_errors(model):
   sampler = Sampler(model, num_slots=2, cache_length=20, max_decode_length=16,
                     length_buckets=(8, 16))
@@ -194,6 +230,9 @@ def test_cache_full_and_input_errors(model):
     sampler.prefill(state, [1], [[64]])
   with pytest.raises(ValueError, match="max_decode_length"):
     sampler.decode(state, [1], max_new_tokens=17)
+  assert sampler.decode(state, []) == (state, {})
+  with pytest.raises(ValueError, match="include cache_length"):
+    Sampler(model, num_slots=2, cache_length=20, attention_windows=(8, 16))
   with pytest.raises(ValueError, match="stop sequences > max"):
     sampler.decode(state, [1], stop_sequences=[[1]] * 9)
 

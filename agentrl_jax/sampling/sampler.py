@@ -18,9 +18,13 @@ Static shapes: the number of slots B, cache length S and decode buffer T are
 fixed at construction; prompt/extension lengths are padded to
 `length_buckets`, and the slots touched by one call are gathered into a
 sub-batch padded to a power of two (so decoding 3 live episodes costs a
-4-row decode, not a B-row one). At most (log2 B + 1) x len(length_buckets)
-extend and (log2 B + 1) decode programs are ever compiled;
-`compile_counts` counts traces per entry point.
+4-row decode, not a B-row one). A decode attends over the first W cache
+positions only, W the smallest of `attention_windows` (default S/4, S/2, S)
+that holds the slots' contexts plus their new tokens: each decode step
+streams the keys/values it attends over, so short contexts in a long cache
+decode faster (`benchmarks/sampler.py`). At most (log2 B + 1) x
+len(length_buckets) extend and (log2 B + 1) x len(attention_windows) decode
+programs are ever compiled; `compile_counts` counts traces per entry point.
 
 Log-probs: `decode` reports, per sampled token, `raw_logprobs` (the policy
 itself at temperature 1, no filtering: what `losses.token_logprobs`
@@ -84,6 +88,8 @@ class Action:
 class Sampler:
   """Prefill / decode / extend over a fixed set of slots (see module doc).
 
+  attention_windows: cache prefixes a decode may attend over (must include
+    cache_length; None: S/4, S/2, S); fewer windows, fewer programs.
   mesh: None (one device), or a `sharding.make_mesh` mesh to place the
     parameters, the cache and the per-slot state on.
   """
@@ -92,12 +98,19 @@ class Sampler:
                max_decode_length: int = 256,
                length_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024),
                max_stop_sequences: int = 8, max_stop_length: int = 8,
+               attention_windows: Sequence[int] | None = None,
                mesh: jax.sharding.Mesh | None = None):
     self.cfg = model.cfg
     self.graphdef, params = nnx.split(model)
     self.num_slots, self.cache_length = num_slots, cache_length
     self.max_decode_length = max_decode_length
     self.length_buckets = tuple(sorted(length_buckets))
+    windows = (sorted({cache_length, cache_length // 2, cache_length // 4} - {0})
+               if attention_windows is None else sorted(set(attention_windows)))
+    if windows[-1] != cache_length or windows[0] < 1:
+      raise ValueError(f"attention_windows must lie in [1, cache_length] and include "
+                       f"cache_length {cache_length}, got {windows}")
+    self.attention_windows = tuple(windows)
     self.max_stop_sequences, self.max_stop_length = max_stop_sequences, max_stop_length
     self.compile_counts: collections.Counter = collections.Counter()
     if mesh is None:
@@ -119,7 +132,8 @@ class Sampler:
       self._init_jit = jax.jit(self._new_state, out_shardings=ss)
     # The state (and its cache) is donated: XLA updates it in place.
     self._extend_jit = jax.jit(self._extend_impl, donate_argnums=(1,), **extend_shardings)
-    self._decode_jit = jax.jit(self._decode_impl, donate_argnums=(1,), **decode_shardings)
+    self._decode_jit = jax.jit(self._decode_impl, donate_argnums=(1,),
+                               static_argnums=(6,), **decode_shardings)
 
   def update_params(self, model_or_params) -> None:
     """Weight sync: the next call samples from these parameters.
@@ -161,7 +175,8 @@ class Sampler:
   def warmup(self, state: SamplerState) -> SamplerState:
     """Compiles every extend and decode shape now rather than mid-run.
 
-    Runs each (row bucket, length bucket) once on dummy tokens and releases
+    Runs the extend of each (row bucket, length bucket) and the decode of
+    each (row bucket, attention window) once on dummy tokens and releases
     all slots afterwards: call it on a fresh state.
     """
     rows = sorted({self._row_bucket(n) for n in range(1, self.num_slots + 1)})
@@ -169,7 +184,9 @@ class Sampler:
       slots = list(range(r))
       for length in self.length_buckets:
         state = self.prefill(state, slots, [[0] * min(length, self.cache_length - 1)] * r)
-      state, _ = self.decode(state, slots, max_new_tokens=1)
+      state = self.prefill(state, slots, [[0]] * r)  # a context that fits any window
+      for window in self.attention_windows:
+        state, _ = self._decode_call(state, slots, 1, (), 1.0, 0, 1.0, window)
     return self.release(state, list(range(self.num_slots)))
 
   # -- Host entry points -----------------------------------------------------------
@@ -238,6 +255,23 @@ class Sampler:
     """
     slots = [int(s) for s in slots]
     self._check_slots(slots, len(slots))
+    if not slots:
+      return state, {}
+    budget = np.broadcast_to(np.asarray(
+        self.max_decode_length if max_new_tokens is None else max_new_tokens,
+        np.int64), (len(slots),))
+    if budget.max() > self.max_decode_length:
+      raise ValueError(f"max_new_tokens {budget.max()} > max_decode_length "
+                       f"{self.max_decode_length}")
+    # Attend over the smallest window that holds every slot's context and
+    # its new tokens: decoding streams the window's keys each step.
+    need = int(np.max(np.asarray(state.lengths)[slots] + budget))
+    window = next((w for w in self.attention_windows if w >= need), self.cache_length)
+    return self._decode_call(state, slots, budget, stop_sequences, temperature, top_k,
+                             top_p, window)
+
+  def _decode_call(self, state, slots, budget, stop_sequences, temperature, top_k,
+                   top_p, window):
     rows = self._row_bucket(len(slots))
 
     def per_row(x, dtype, pad=0):
@@ -245,18 +279,15 @@ class Sampler:
       out[:len(slots)] = np.broadcast_to(np.asarray(x, dtype), (len(slots),))
       return out
 
-    budget = per_row(self.max_decode_length if max_new_tokens is None
-                     else max_new_tokens, np.int32)
-    if budget.max() > self.max_decode_length:
-      raise ValueError(f"max_new_tokens {budget.max()} > max_decode_length "
-                       f"{self.max_decode_length}")
+    budget = per_row(budget, np.int32)
     slot_idx = per_row(slots, np.int32, pad=self.num_slots)  # padding: dropped
     sampling = SamplingParams(
         temperature=per_row(temperature, np.float32),
         top_k=per_row(top_k, np.int32), top_p=per_row(top_p, np.float32, pad=1.0))
     table = stops_lib.StopTable.make(stop_sequences, self.max_stop_sequences,
                                      self.max_stop_length)
-    state, out = self._decode_jit(self.params, state, slot_idx, budget, table, sampling)
+    state, out = self._decode_jit(self.params, state, slot_idx, budget, table, sampling,
+                                  window)
     out = jax.device_get(out)
     actions = {}
     for r, s in enumerate(slots):
@@ -301,17 +332,19 @@ class Sampler:
         cache=cache, lengths=put(state.lengths, start + n_new),
         next_logits=put(state.next_logits, logits))
 
-  def _decode_impl(self, params, state, slot_idx, budget, table, sampling):
+  def _decode_impl(self, params, state, slot_idx, budget, table, sampling, window):
     self.compile_counts["decode"] += 1  # runs only while tracing
     model = nnx.merge(self.graphdef, params)
     t_max, s_len = self.max_decode_length, self.cache_length
     # Decode on the requested slots only (gathered into a power-of-two
-    # sub-batch), so the cost follows the live episodes, not the slot count.
+    # sub-batch) and their first `window` cache positions (which hold every
+    # context and the new tokens), so the cost follows the live episodes,
+    # not the slot count and cache length.
     rows = jnp.minimum(slot_idx, self.num_slots - 1)
     b = slot_idx.shape[0]
     sub = state.replace(
-        cache=KVCache(k=tuple(k[rows] for k in state.cache.k),
-                      v=tuple(v[rows] for v in state.cache.v)),
+        cache=KVCache(k=tuple(k[rows, :, :window] for k in state.cache.k),
+                      v=tuple(v[rows, :, :window] for v in state.cache.v)),
         lengths=state.lengths[rows], next_logits=state.next_logits[rows])
     live = (slot_idx < self.num_slots) & (budget > 0) & (sub.lengths < s_len)
     buffers = _DecodeBuffers(
@@ -357,9 +390,10 @@ class Sampler:
     _, sub, out, _, _ = jax.lax.while_loop(
         cond, body, (jnp.int32(0), sub, buffers, live, tail))
     put = lambda full, part: full.at[slot_idx].set(part, mode="drop")
+    put_window = lambda full, part: full.at[slot_idx, :, :window].set(part, mode="drop")
     state = state.replace(
-        cache=KVCache(k=tuple(map(put, state.cache.k, sub.cache.k)),
-                      v=tuple(map(put, state.cache.v, sub.cache.v))),
+        cache=KVCache(k=tuple(map(put_window, state.cache.k, sub.cache.k)),
+                      v=tuple(map(put_window, state.cache.v, sub.cache.v))),
         lengths=put(state.lengths, sub.lengths),
         next_logits=put(state.next_logits, sub.next_logits), rng=sub.rng)
     return state, out

@@ -38,7 +38,10 @@ def get_config():
       path="", tokenizer="", arch="llama", dtype="float32", tiny={},
       value_head=False))  # always True when rl.credit == "gae"
   c.sampler = ml_collections.ConfigDict(dict(
-      num_slots=64, cache_length=768, length_buckets=(32, 64, 128, 256)))
+      num_slots=64, cache_length=768, length_buckets=(32, 64, 128, 256),
+      # Cache windows a decode may attend over (one program each); (): the
+      # sampler's default S/4, S/2, S.
+      attention_windows=()))
   c.rollout = ml_collections.ConfigDict(dict(
       max_turns=8, max_action_tokens=16, max_observation_tokens=128,
       temperature=1.0, top_k=0, top_p=1.0, env_workers=8, lockstep=True,
