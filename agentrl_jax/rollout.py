@@ -82,7 +82,8 @@ class RolloutConfig:
   env_workers: int = 16  # threads stepping environments concurrently
   # Decode at most this many episodes per call (None: all that are ready).
   # Smaller calls let decoding of one cohort overlap the tool calls of
-  # another when environments are slow.
+  # another when environments are slow: a tool call is hidden when the other
+  # cohorts' decodes take as long (see benchmarks/rollout.py).
   max_decode_batch: int | None = None
   # Once an env call is back, wait up to this long for the rest of the calls
   # submitted with it, so a batch of tools returns to one decode instead of
