@@ -25,13 +25,42 @@ from agentrl_jax import masked
 ADVANTAGE_SCALES = ("std", "none")
 
 
-def _same_group(group_ids: jax.Array) -> jax.Array:
-  """[N, N] float32, 1 where trajectories i and j share a group.
+def _group_stats(x: jax.Array, mask: jax.Array, group_ids: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Centred values, population std and size of each row's group.
 
-  An N x N comparison rather than a segment sum, so group ids can be any
-  integers (task hashes, say) and the shape stays static.
+  Segment reductions over the group, never a matmul (a backend may run
+  float32 matmuls with bf16 inputs: TPUs do by default), and a shifted
+  two-pass variance: every entry first has one value of its group
+  subtracted (the group's largest), which is exact for nearby values, so a
+  flat group gives exactly 0 and a large common offset cancels before the
+  spread is rounded; then the mean and the variance of those differences,
+  in two passes.
+
+  Args:
+    x: [N, K] values (K = 1 for one scalar per trajectory).
+    mask: [N, K] 1 on real entries.
+    group_ids: [N] int, any integers; rows with the same id form a group.
+  Returns:
+    (centred [N, K], std [N], count [N]): x minus its group's mean (0 off the
+    mask), and per row its group's population std and real-entry count.
   """
-  return (group_ids[:, None] == group_ids[None, :]).astype(jnp.float32)
+  n = x.shape[0]
+  # Dense segment index of each row's group: any integer ids, static shape.
+  _, seg = jnp.unique(group_ids, size=n, return_inverse=True)
+  seg = seg.reshape(n)
+  on = mask > 0
+  group_sum = lambda v: jax.ops.segment_sum(v, seg, num_segments=n)[seg]
+  count = group_sum(jnp.sum(on, axis=-1).astype(jnp.float32))
+  safe = jnp.maximum(count, 1.0)
+  row_max = jnp.max(jnp.where(on, x, -jnp.inf), axis=-1)
+  shift = jax.ops.segment_max(row_max, seg, num_segments=n)[seg]
+  shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
+  d = jnp.where(on, x - shift[:, None], 0.0)
+  mean = group_sum(jnp.sum(d, axis=-1)) / safe
+  centred = jnp.where(on, d - mean[:, None], 0.0)
+  var = group_sum(jnp.sum(jnp.square(centred), axis=-1)) / safe
+  return centred, jnp.sqrt(var), count
 
 
 def grpo_advantages(rewards: jax.Array, group_ids: jax.Array, *,
@@ -42,7 +71,8 @@ def grpo_advantages(rewards: jax.Array, group_ids: jax.Array, *,
   2024, DeepSeekMath), with the *population* std as in the reference text
   (torch's `std(unbiased=False)`; TRL and veRL use the unbiased one, which
   differs by sqrt(G / (G - 1))). scale="none" is Dr.GRPO (Liu et al. 2025):
-  A_i = r_i - mean_g r. A singleton group gets 0 either way.
+  A_i = r_i - mean_g r. A singleton group gets 0 either way, and so does a
+  group whose rewards are all equal, exactly (see `_group_stats`).
 
   Args:
     rewards: [N] float, one scalar per trajectory.
@@ -56,23 +86,20 @@ def grpo_advantages(rewards: jax.Array, group_ids: jax.Array, *,
   chex.assert_rank([rewards, group_ids], 1)
   chex.assert_equal_shape([rewards, group_ids])
   chex.assert_type(group_ids, int)
-  rewards = rewards.astype(jnp.float32)
-  same = _same_group(group_ids)
-  count = same.sum(-1)
-  mean = same @ rewards / count
-  centred = rewards - mean
+  rewards = rewards.astype(jnp.float32)[:, None]
+  centred, std, _ = _group_stats(rewards, jnp.ones_like(rewards), group_ids)
   if scale == "none":
-    return centred
-  var = same @ jnp.square(rewards) / count - jnp.square(mean)
-  std = jnp.sqrt(jnp.maximum(var, 0.0))
-  return centred / (std + eps)
+    return centred[:, 0]
+  return centred[:, 0] / (std + eps)
 
 
 def rloo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
   """REINFORCE leave-one-out: A_i = r_i - mean_{j != i, same group} r_j.
 
-  (Ahmadian et al. 2024.) Equals G / (G - 1) * (r_i - mean_g r). A singleton
-  group has no other member to form a baseline and gets 0.
+  (Ahmadian et al. 2024.) Computed through the identity A_i = G / (G - 1) *
+  (r_i - mean_g r) from the same exact group statistics as
+  `grpo_advantages`. A singleton group has no other member to form a
+  baseline and gets 0.
 
   Args:
     rewards: [N] float. group_ids: [N] int.
@@ -81,11 +108,11 @@ def rloo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
   """
   chex.assert_rank([rewards, group_ids], 1)
   chex.assert_equal_shape([rewards, group_ids])
-  rewards = rewards.astype(jnp.float32)
-  same = _same_group(group_ids)
-  others = same.sum(-1) - 1.0
-  baseline = (same @ rewards - rewards) / jnp.maximum(others, 1.0)
-  return jnp.where(others > 0, rewards - baseline, 0.0)
+  chex.assert_type(group_ids, int)
+  rewards = rewards.astype(jnp.float32)[:, None]
+  centred, _, count = _group_stats(rewards, jnp.ones_like(rewards), group_ids)
+  return jnp.where(count > 1, centred[:, 0] * (count / jnp.maximum(count - 1.0, 1.0)),
+                   0.0)
 
 
 def _reverse_scan(step, init, xs):
@@ -225,17 +252,11 @@ def group_normalize_turns(turn_values: jax.Array, turn_mask: jax.Array,
   chex.assert_rank([turn_values, turn_mask], 2)
   chex.assert_equal_shape([turn_values, turn_mask])
   chex.assert_rank(group_ids, 1)
-  x = turn_values.astype(jnp.float32)
-  m = turn_mask.astype(jnp.float32)
-  same = _same_group(group_ids)
-  count = same @ m.sum(-1)
-  safe = jnp.maximum(count, 1.0)
-  mean = same @ masked.masked_sum(x, m, axis=-1) / safe
-  centred = x - mean[:, None]
+  chex.assert_type(group_ids, int)
+  centred, std, _ = _group_stats(turn_values.astype(jnp.float32), turn_mask, group_ids)
   if scale == "std":
-    var = same @ masked.masked_sum(jnp.square(centred), m, axis=-1) / safe
-    centred = centred / (jnp.sqrt(var)[:, None] + eps)
-  return m * centred
+    centred = centred / (std[:, None] + eps)
+  return centred
 
 
 def paint_turn_values(turn_values: jax.Array, seq_ids: jax.Array,

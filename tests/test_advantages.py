@@ -1,6 +1,10 @@
 """Tests for agentrl_jax.advantages against hand counts and plain loops."""
 
+import functools
+
 import chex
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +99,145 @@ def test_rloo_by_hand():
 def test_unknown_scale_lists_known():
   with pytest.raises(ValueError, match="known: \\('std', 'none'\\)"):
     adv.grpo_advantages(jnp.zeros(2), jnp.zeros(2, int), scale="mad")
+
+
+# -- Exact group statistics (hypothesis, float64 reference) -------------------------
+
+_ROWS = 64  # every example is padded to one static shape: one compile per function
+
+
+@st.composite
+def _groups(draw):
+  """Groups of 1-16 rewards around offsets up to 1e3, spreads 0 or 1e-4..10.
+
+  Flat groups use non-dyadic values (2.7, 0.3, ...), where a one-pass
+  variance or a matmul mean is visibly off.
+  """
+  rewards, ids = [], []
+  for g in range(draw(st.integers(1, 4))):
+    size = draw(st.integers(1, 16))
+    offset = draw(st.one_of(st.sampled_from([0.3, 2.7, -1.1, 1e3, -999.9]),
+                            st.floats(-1e3, 1e3)))
+    spread = draw(st.one_of(st.just(0.0), st.floats(1e-4, 10.0)))
+    u = draw(st.lists(st.floats(0.0, 1.0), min_size=size, max_size=size))
+    rewards += [offset + spread * x for x in u]
+    ids += [1000 * g + 7] * size
+  return np.asarray(rewards, np.float32), np.asarray(ids, np.int32)
+
+
+def _pad_groups(rewards, ids):
+  """Pads to _ROWS rows with singleton groups (which must get exactly 0)."""
+  n = len(rewards)
+  r = np.concatenate([rewards, np.full(_ROWS - n, 2.7, np.float32)])
+  g = np.concatenate([ids, -1 - np.arange(_ROWS - n, dtype=np.int32)])
+  return r, g
+
+
+def _ref64(rewards, ids, kind):
+  """float64 reference on the float32 inputs: grpo / drgrpo / rloo."""
+  x = rewards.astype(np.float64)
+  out = np.zeros_like(x)
+  for g in np.unique(ids):
+    sel = ids == g
+    mu = x[sel].mean()
+    if kind == "grpo":
+      out[sel] = (x[sel] - mu) / (x[sel].std() + 1e-6)
+    elif kind == "drgrpo":
+      out[sel] = x[sel] - mu
+    elif sel.sum() > 1:
+      out[sel] = [(v - (x[sel].sum() - v) / (sel.sum() - 1)) for v in x[sel]]
+  return out
+
+
+_GROUP_FNS = {
+    "grpo": jax.jit(adv.grpo_advantages),
+    "drgrpo": jax.jit(lambda r, g: adv.grpo_advantages(r, g, scale="none")),
+    "rloo": jax.jit(adv.rloo_advantages),
+}
+
+
+def _check_group_stats(rewards, ids):
+  r, g = _pad_groups(rewards, ids)
+  n = len(rewards)
+  flat = np.asarray([np.all(rewards[ids == i] == rewards[ids == i][0]) for i in ids])
+  for kind, fn in _GROUP_FNS.items():
+    got = np.asarray(fn(jnp.asarray(r), jnp.asarray(g)))
+    assert np.all(got[n:] == 0), kind  # singletons
+    assert np.all(got[:n][flat] == 0), (kind, rewards[flat])  # flat groups: exactly 0
+    want = _ref64(rewards, ids, kind)
+    np.testing.assert_allclose(got[:n], want, rtol=1e-4, atol=1e-4, err_msg=kind)
+
+
+@hypothesis.given(_groups())
+@hypothesis.settings(max_examples=150, deadline=None)
+def test_group_advantages_match_float64(case):
+  _check_group_stats(*case)
+
+
+@hypothesis.given(_groups())
+@hypothesis.settings(max_examples=60, deadline=None)
+def test_group_advantages_hold_under_bf16_matmul_precision(case):
+  # What a TPU does by default to float32 matmuls; nothing here may depend on it.
+  with jax.default_matmul_precision("bfloat16"):
+    _check_group_stats(*case)
+
+
+@pytest.mark.parametrize("precision", [None, "bfloat16"])
+def test_flat_and_near_flat_groups_by_hand(precision):
+  with jax.default_matmul_precision(precision):
+    for g in (3, 5, 6, 7, 12):  # non-dyadic group sizes
+      for r in (2.7, 0.3, 1e3 + 0.1):
+        got = adv.grpo_advantages(jnp.full(g, r), jnp.zeros(g, jnp.int32))
+        assert np.all(np.asarray(got) == 0), (g, r, got)
+    # [1, 1.001]: centred +-0.0005 over std 0.0005 (+1e-6) = +-0.998.
+    got = adv.grpo_advantages(jnp.array([1.0, 1.001]), jnp.zeros(2, jnp.int32))
+    np.testing.assert_allclose(got, [-0.998004, 0.998004], atol=1e-5)
+    # [3, 3.0005] (3.0005 is 3.00049996 in float32): +-0.996016.
+    got = adv.grpo_advantages(jnp.array([3.0, 3.0005]), jnp.zeros(2, jnp.int32))
+    np.testing.assert_allclose(got, [-0.996016, 0.996016], atol=1e-4)
+    # Around 1000 with a spread of 0.3: standardised values, |A| <= sqrt(G - 1).
+    r = np.float32(1000) + np.float32(0.3) * np.linspace(0, 1, 8, dtype=np.float32)
+    got = np.asarray(adv.grpo_advantages(jnp.asarray(r), jnp.zeros(8, jnp.int32)))
+    np.testing.assert_allclose(got, _ref64(r, np.zeros(8, np.int32), "grpo"), atol=1e-4)
+
+
+@hypothesis.given(_groups(), st.integers(0, 2**31 - 1))
+@hypothesis.settings(max_examples=60, deadline=None)
+def test_group_normalize_turns_matches_float64(case, seed):
+  # Each trajectory's real turns (a prefix of 1-4) all come from its group's
+  # rewards; the pool is every real turn of the group.
+  rewards, ids = case
+  rng = np.random.default_rng(seed)
+  n, t = len(rewards), 4
+  counts = rng.integers(1, t + 1, n)
+  mask = (np.arange(t)[None] < counts[:, None]).astype(np.float32)
+  values = np.where(mask > 0, rewards[rng.permutation(n)][:, None]
+                    * np.ones((1, t), np.float32), 0).astype(np.float32)
+  values = np.where(mask > 0, values + rng.choice([0.0, 1e-3], (n, t)).astype(np.float32)
+                    * (rng.random(n) < 0.5)[:, None], 0).astype(np.float32)
+  pad = _ROWS - n
+  vp = np.concatenate([values, np.full((pad, t), 2.7, np.float32)])
+  mp = np.concatenate([mask, np.ones((pad, t), np.float32)])
+  gp = np.concatenate([ids, -1 - np.arange(pad, dtype=np.int32)])
+  for scale in adv.ADVANTAGE_SCALES:
+    with jax.default_matmul_precision("bfloat16"):
+      got = np.asarray(_NORMALIZE[scale](vp, mp, gp))
+    assert np.all(got[n:] == 0)
+    want = np.zeros((n, t))
+    x = values.astype(np.float64)
+    for g in np.unique(ids):
+      pool = x[(ids == g)[:, None] & (mask > 0)]
+      mu, sd = pool.mean(), pool.std()
+      for i in np.nonzero(ids == g)[0]:
+        c = (x[i, :counts[i]] - mu)
+        want[i, :counts[i]] = c / (sd + 1e-6) if scale == "std" else c
+      if np.all(pool == pool[0]):
+        assert np.all(got[:n][ids == g] == 0)
+    np.testing.assert_allclose(got[:n], want, rtol=1e-4, atol=1e-4)
+
+
+_NORMALIZE = {s: jax.jit(functools.partial(adv.group_normalize_turns, scale=s))
+              for s in adv.ADVANTAGE_SCALES}
 
 
 # -- Turn level ----------------------------------------------------------------
