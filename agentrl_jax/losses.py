@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from agentrl_jax.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
-    "LOSS_AGG_MODES", "KL_KINDS", "token_logprobs", "entropy", "policy_loss",
-    "aggregate_loss", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
+    "LOSS_AGG_MODES", "KL_KINDS", "token_logprobs", "token_accuracy", "entropy", "policy_loss",
+    "aggregate_loss", "aggregation_weights", "weighted_sum", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
     "masked_whiten",
 ]
 
@@ -31,6 +31,11 @@ _MAX_LOG_RATIO = 20.0
 def _shift_right(x: jax.Array) -> jax.Array:
   """[B, L] -> [B, L] with x[:, i - 1] at i and 0 at position 0."""
   return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
+
+
+def _next_tokens(tokens: jax.Array) -> jax.Array:
+  """[B, L] -> [B, L] with tokens[:, i + 1] at i (the target logits[:, i] predict)."""
+  return jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -52,10 +57,17 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   chex.assert_rank([logits, tokens], [3, 2])
   chex.assert_equal_shape_prefix([logits, tokens], 2)
   chex.assert_type([logits, tokens], [float, int])
-  next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-  target = jnp.take_along_axis(logits, next_tokens[..., None], axis=-1)[..., 0]
+  target = jnp.take_along_axis(logits, _next_tokens(tokens)[..., None], axis=-1)[..., 0]
   lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
   return _shift_right(target.astype(jnp.float32) - lse)
+
+
+def token_accuracy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """[B, L] float32, 1 where argmax logits[:, i - 1] == tokens[:, i]; aligned
+  like `token_logprobs` (position 0 gets 0), so masks apply unshifted."""
+  chex.assert_rank([logits, tokens], [3, 2])
+  hit = jnp.argmax(logits, axis=-1) == _next_tokens(tokens)
+  return _shift_right(hit.astype(jnp.float32))
 
 
 def entropy(logits: jax.Array) -> jax.Array:
@@ -76,19 +88,69 @@ def entropy(logits: jax.Array) -> jax.Array:
   return _shift_right(-jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
 
-def _sequence_stats(x: jax.Array, loss_mask: jax.Array,
-                    seq_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """Per-sequence (masked sum, action-token count); sequence = row or seq id."""
+def aggregation_weights(loss_mask: jax.Array, mode: str, *,
+                        norm_constant: float | None = None,
+                        seq_ids: jax.Array | None = None) -> jax.Array:
+  """Per-token weights w with `aggregate_loss(x, loss_mask, mode) = sum_i w_i x_i`.
+
+  With m the loss mask, S the set of sequences with at least one action
+  token, n_s the action-token count of sequence s and C the constant:
+
+  - "token-mean": w_i = m_i / sum_j m_j. Every action token weighs the same,
+    so long trajectories weigh more (DAPO, Yu et al. 2025; veRL's default).
+  - "seq-mean-token-mean": w_i = m_i / (|S| n_s). Every trajectory weighs
+    the same whatever its length (original GRPO, Shao et al. 2024; the
+    reference text's "safe default").
+  - "seq-mean-token-sum": w_i = m_i / |S|.
+  - "seq-mean-token-sum-norm": w_i = m_i / (|S| C) with a fixed constant C
+    (Dr.GRPO, Liu et al. 2025), default C = L, the padded row length. L
+    changes with the length bucket, so pass a fixed `norm_constant` (e.g.
+    the token budget) to keep the loss scale constant.
+
+  A sequence is a row, or with `seq_ids` every token of one seq id (packed
+  rows; the views of a sliding-window trajectory, which share a seq id, are
+  one sequence). Weights computed on a whole batch make gradient
+  accumulation exact: summing `w * x` over any split of the rows into
+  micro-batches gives the full-batch loss (`train.step`).
+
+  Args:
+    loss_mask: [B, L] 1 on action tokens.
+    mode: one of LOSS_AGG_MODES.
+    norm_constant: C for "seq-mean-token-sum-norm".
+    seq_ids: [B, L] trajectory id of each token (-1 on padding, which never
+      counts), or None: each row is one sequence.
+  Returns:
+    [B, L] float32 weights, 0 off the mask; all 0 for an all-zero mask.
+  """
+  if mode not in LOSS_AGG_MODES:
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: {LOSS_AGG_MODES}")
+  chex.assert_rank(loss_mask, 2)
+  mask = loss_mask.astype(jnp.float32)
+  if seq_ids is not None:
+    chex.assert_equal_shape([loss_mask, seq_ids])
+    mask = jnp.where(seq_ids >= 0, mask, 0.0)
+  if mode == "token-mean":
+    return mask / jnp.maximum(jnp.sum(mask), 1.0)
   if seq_ids is None:
-    return masked_sum(x, loss_mask, axis=-1), jnp.sum(loss_mask, axis=-1)
-  # A packed row holds several trajectories: group by seq id instead. There
-  # are at most B * L distinct ids, so that bound keeps the shape static.
-  chex.assert_equal_shape([x, seq_ids])
-  n = x.size
-  ids = jnp.where(seq_ids >= 0, seq_ids, 0).reshape(-1)
-  contrib = jnp.where(loss_mask > 0, x * loss_mask, 0.0).reshape(-1)
-  sums = jax.ops.segment_sum(contrib, ids, num_segments=n)
-  return sums, jax.ops.segment_sum(loss_mask.reshape(-1), ids, num_segments=n)
+    n_s = jnp.broadcast_to(jnp.sum(mask, axis=-1, keepdims=True), mask.shape)
+    num_seqs = jnp.sum(n_s[:, 0] > 0)
+  else:
+    # At most B * L distinct ids: that bound keeps the shape static.
+    ids = jnp.where(seq_ids >= 0, seq_ids, 0).reshape(-1)
+    counts = jax.ops.segment_sum(mask.reshape(-1), ids, num_segments=ids.size)
+    n_s = counts[ids].reshape(mask.shape)
+    num_seqs = jnp.sum(counts > 0)
+  per_seq = mask / jnp.maximum(num_seqs, 1).astype(jnp.float32)
+  if mode == "seq-mean-token-mean":
+    return per_seq / jnp.maximum(n_s, 1.0)
+  if mode == "seq-mean-token-sum":
+    return per_seq
+  return per_seq / (mask.shape[-1] if norm_constant is None else norm_constant)
+
+
+def weighted_sum(per_token: jax.Array, weights: jax.Array) -> jax.Array:
+  """sum_i w_i x_i over the tokens with w_i > 0 (inf/NaN elsewhere never leak)."""
+  return masked_sum(per_token.astype(jnp.float32), weights)
 
 
 def aggregate_loss(per_token: jax.Array, loss_mask: jax.Array, mode: str, *,
@@ -96,22 +158,9 @@ def aggregate_loss(per_token: jax.Array, loss_mask: jax.Array, mode: str, *,
                    seq_ids: jax.Array | None = None) -> jax.Array:
   """Reduces a per-token loss to a scalar over the action tokens.
 
-  With m the loss mask, S the set of sequences with at least one action
-  token, and n_s the action-token count of sequence s:
-
-  - "token-mean": sum_i m_i x_i / sum_i m_i. Every action token weighs the
-    same, so long trajectories weigh more (DAPO, Yu et al. 2025; veRL's
-    default).
-  - "seq-mean-token-mean": 1/|S| sum_s (1/n_s) sum_{i in s} m_i x_i. Every
-    trajectory weighs the same whatever its length (original GRPO, Shao et
-    al. 2024; the reference text's "safe default").
-  - "seq-mean-token-sum": 1/|S| sum_s sum_{i in s} m_i x_i.
-  - "seq-mean-token-sum-norm": 1/|S| sum_s sum_{i in s} m_i x_i / C with a
-    fixed constant C (Dr.GRPO, Liu et al. 2025), default C = L, the padded
-    row length. L changes with the length bucket, so pass a fixed
-    `norm_constant` (e.g. the token budget) to keep the loss scale constant.
-
-  An all-zero mask gives 0 in every mode, with a zero (not NaN) gradient.
+  `sum_i w_i x_i` with the weights of `aggregation_weights` (which lists the
+  modes and their formulas). An all-zero mask gives 0 in every mode, with a
+  zero (not NaN) gradient.
 
   Args:
     per_token: [B, L] loss per token, aligned with tokens.
@@ -123,26 +172,10 @@ def aggregate_loss(per_token: jax.Array, loss_mask: jax.Array, mode: str, *,
   Returns:
     scalar float32.
   """
-  if mode not in LOSS_AGG_MODES:
-    raise ValueError(f"unknown loss aggregation {mode!r}; known: {LOSS_AGG_MODES}")
   chex.assert_rank([per_token, loss_mask], 2)
   chex.assert_equal_shape([per_token, loss_mask])
-  per_token = per_token.astype(jnp.float32)
-  loss_mask = loss_mask.astype(jnp.float32)
-  if seq_ids is not None:  # padding (seq id -1) never counts, in any mode
-    loss_mask = jnp.where(seq_ids >= 0, loss_mask, 0.0)
-  if mode == "token-mean":
-    return masked_mean(per_token, loss_mask)
-  sums, counts = _sequence_stats(per_token, loss_mask, seq_ids)
-  present = (counts > 0).astype(jnp.float32)
-  if mode == "seq-mean-token-mean":
-    per_seq = sums / jnp.maximum(counts, 1.0)
-  elif mode == "seq-mean-token-sum":
-    per_seq = sums
-  else:
-    constant = per_token.shape[-1] if norm_constant is None else norm_constant
-    per_seq = sums / constant
-  return masked_mean(per_seq, present)
+  return weighted_sum(per_token, aggregation_weights(
+      loss_mask, mode, norm_constant=norm_constant, seq_ids=seq_ids))
 
 
 def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
@@ -151,7 +184,8 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
                 dual_clip: float | None = None, agg: str = "token-mean",
                 is_weights: jax.Array | None = None,
                 norm_constant: float | None = None,
-                seq_ids: jax.Array | None = None
+                seq_ids: jax.Array | None = None,
+                token_weights: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO/GRPO clipped surrogate over action tokens.
 
@@ -162,7 +196,9 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
   (Ye et al. 2020), so a huge ratio on a bad action cannot blow up. Optional
   `is_weights` multiply l per token (treated as constants), e.g. truncated
   importance weights correcting the sampler-vs-trainer mismatch. Then
-  `aggregate_loss(l, loss_mask, agg)`.
+  `aggregate_loss(l, loss_mask, agg)`, or `sum(token_weights * l)` with
+  weights from `aggregation_weights` computed on a larger batch (exact
+  gradient accumulation over micro-batches).
 
   Args:
     logprobs: [B, L] log pi_theta(token_i | tokens_<i), aligned with tokens.
@@ -174,6 +210,8 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
     agg: aggregation mode, see `aggregate_loss`.
     is_weights: [B, L] optional per-token weights.
     norm_constant, seq_ids: passed to `aggregate_loss`.
+    token_weights: [B, L] optional aggregation weights; replace agg,
+      norm_constant and seq_ids.
   Returns:
     (loss scalar, metrics) with metrics token-means over action tokens:
     clip_frac_upper / clip_frac_lower (fraction where the upper / lower clip
@@ -200,8 +238,12 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
   if is_weights is not None:
     chex.assert_equal_shape([is_weights, logprobs])
     per_token = per_token * jax.lax.stop_gradient(is_weights)
-  loss = aggregate_loss(per_token, mask, agg, norm_constant=norm_constant,
-                        seq_ids=seq_ids)
+  if token_weights is None:
+    loss = aggregate_loss(per_token, mask, agg, norm_constant=norm_constant,
+                          seq_ids=seq_ids)
+  else:
+    chex.assert_equal_shape([token_weights, logprobs])
+    loss = weighted_sum(per_token, token_weights)
 
   ratio, log_ratio = jax.lax.stop_gradient((ratio, log_ratio))
   upper = (ratio > 1.0 + clip_high) & (adv > 0)

@@ -34,10 +34,14 @@ def masked_whiten(x: jax.Array, mask: jax.Array, *, shift_mean: bool = True,
                   eps: float = 1e-8) -> jax.Array:
   """(x - mean) / (std + eps) with mean/std over the masked entries only.
 
-  shift_mean=False only rescales (keeps the sign of every entry), as some
-  PPO implementations do for advantages. Masked-out entries come back as 0.
+  shift_mean=False adds the mean back after whitening, (x - mean) / (std +
+  eps) + mean: the scale is normalised, the location kept. That is what the
+  name means in veRL (`verl.utils.torch_functional.masked_whiten`) and TRL
+  (`trl.trainer.utils.masked_whiten`). Masked-out entries come back as 0.
   """
   mean = masked_mean(x, mask)
   std = jnp.sqrt(masked_var(x, mask))
-  centred = x - mean if shift_mean else x
-  return jnp.where(mask > 0, centred / (std + eps), 0.0)
+  white = (x - mean) / (std + eps)
+  if not shift_mean:
+    white = white + mean
+  return jnp.where(mask > 0, white, 0.0)

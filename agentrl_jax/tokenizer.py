@@ -106,8 +106,17 @@ class ChatFormat:
                                               self._closed(tok, action_ids)))
 
   def stop_sequences(self, tok, extra: Sequence[str] = ()) -> tuple[tuple[int, ...], ...]:
-    """The stop strings (the format's and `extra`, e.g. tool tags) as ids."""
-    return tuple(tuple(encode(tok, s)) for s in (*self.stops, *extra))
+    """The stop strings (the format's and `extra`, e.g. tool tags) as ids.
+
+    The tokenizer's EOS token always stops too, also when it differs from
+    the format's end of turn: a model that ends with EOS must not run on to
+    its token budget.
+    """
+    stops = [tuple(encode(tok, s)) for s in (*self.stops, *extra)]
+    eos = getattr(tok, "eos_token_id", None)
+    if eos is not None and (eos,) not in stops:
+      stops.append((int(eos),))
+    return tuple(stops)
 
   def render(self, system: str, task: str, actions: Sequence[str],
              observations: Sequence[str]) -> str:

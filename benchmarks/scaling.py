@@ -66,15 +66,14 @@ def measure(cfg, mesh, batch, length, repeats):
   graphdef, state = train.init_train_state(model, tx, with_reference=True)
   step = train.RLStep(graphdef, tx, train.LossConfig(kl_beta=0.02), mesh=mesh)
   data = random_batch(np.random.default_rng(0), batch, length, cfg.vocab_size)
-  key = jax.random.key(0)
   t0 = time.perf_counter()
-  state, metrics = step(state, data, key)
+  state, metrics = step(state, data)
   loss = float(metrics["loss"])  # waits for the compiling first step
   compile_s = time.perf_counter() - t0
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    state, metrics = step(state, data, key)
+    state, metrics = step(state, data)
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)

@@ -77,11 +77,10 @@ def main():
   graphdef, state = train.init_train_state(model, tx, with_reference=True)
   step = train.RLStep(graphdef, tx, train.LossConfig(clip_low=EPS, clip_high=EPS,
                                                      kl_beta=BETA))
-  key = jax.random.key(0)
 
   def ours():
     nonlocal state
-    state, metrics = step(state, batch, key)
+    state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
 
   opt = torch.optim.AdamW(tpolicy.parameters(), lr=1e-5, weight_decay=0.0)
@@ -98,11 +97,11 @@ def main():
   # Recompilations over a run: random lengths, two buckets, all warmed up.
   buckets = (args.length // 2, args.length)
   for b in buckets:
-    state, _ = step(state, random_batch(rng, args.batch, [b] * args.batch, 512, buckets), key)
+    state, _ = step(state, random_batch(rng, args.batch, [b] * args.batch, 512, buckets))
   warm = step.traces
   for _ in range(args.iterations):
     lengths = rng.integers(8, args.length + 1, args.batch)
-    state, _ = step(state, random_batch(rng, args.batch, lengths, 512, buckets), key)
+    state, _ = step(state, random_batch(rng, args.batch, lengths, 512, buckets))
   recompiles = step.traces - warm
   print(f"  {args.iterations} steps on random lengths after warm-up: {recompiles} recompilations")
   print(f"step_vs_torch={t_torch / t_ours:.2f} recompiles={recompiles}")

@@ -68,13 +68,13 @@ def rl_step_matches_one_process_and_syncs_to_local_samplers():
                          micro_batches=2)
   full = _batch(0)
   graphdef, state = train.init_train_state(model, tx, with_reference=True)
-  want_state, want = train.RLStep(graphdef, tx, cfg)(state, full, jax.random.key(0))
+  want_state, want = train.RLStep(graphdef, tx, cfg)(state, full)
 
   mesh = sharding.make_mesh(MESH_CFG)
   graphdef, state = train.init_train_state(model, tx, with_reference=True)
   step = train.RLStep(graphdef, tx, cfg, mesh=mesh)
   batch = distributed.global_batch(_local_half(full), sharding.batch_sharding(mesh))
-  state, got = step(state, batch, jax.random.key(0))
+  state, got = step(state, batch)
   np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5, atol=1e-6)
   for a, b in zip(jax.tree.leaves(want_state.params), jax.tree.leaves(state.params),
                   strict=True):
@@ -94,7 +94,7 @@ def rl_step_matches_one_process_and_syncs_to_local_samplers():
     assert s.is_fully_addressable and s.sharding == want_sharding, s.sharding
     np.testing.assert_array_equal(np.asarray(s), _full(g))
   # The trainer may donate its params: the sampler holds its own copy.
-  state, _ = step(state, batch, jax.random.key(0))
+  state, _ = step(state, batch)
   s_state = sampler.prefill(sampler.init_state(), [0, 1], [[1, 2, 3], [4, 5]])
   _, actions = sampler.decode(s_state, [0, 1], max_new_tokens=4, temperature=0.0)
   assert all(len(a.tokens) == 4 for a in actions.values()), actions

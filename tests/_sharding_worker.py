@@ -49,7 +49,7 @@ def rl_step_matches_single_device():
     step = train.RLStep(graphdef, tx, cfg, mesh=step_mesh)
     metrics = []
     for batch in batches:
-      state, m = step(state, batch, jax.random.key(0))
+      state, m = step(state, batch)
       metrics.append(m)
     results.append((state, metrics, step))
   (state1, metrics1, _), (state8, metrics8, step8) = results

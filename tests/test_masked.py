@@ -24,8 +24,11 @@ def test_masked_reductions_match_numpy():
   np.testing.assert_allclose(white[m > 0], (sel - sel.mean()) / (sel.std() + 1e-8),
                              rtol=1e-4)
   assert np.all(white[m == 0] == 0)
+  # shift_mean=False keeps the location (veRL's and TRL's meaning).
   scaled = np.asarray(masked.masked_whiten(x, m, shift_mean=False))
-  np.testing.assert_allclose(scaled[m > 0], sel / (sel.std() + 1e-8), rtol=1e-4)
+  np.testing.assert_allclose(scaled[m > 0], (sel - sel.mean()) / (sel.std() + 1e-8)
+                             + sel.mean(), rtol=1e-4)
+  np.testing.assert_allclose(scaled[m > 0].mean(), sel.mean(), rtol=1e-4)
 
 
 def test_empty_mask_is_zero_not_nan():

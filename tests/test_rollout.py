@@ -352,3 +352,28 @@ def test_branch_replays_the_prefix_and_samples_on(tok, model, sampler):
   (traj,) = engine.run(tasks[:1]).trajectories
   with pytest.raises(ValueError, match="replays exactly"):
     engine.branch([(tasks[0], traj, 1)], 2)
+
+
+def test_the_tokenizers_eos_always_stops_an_action(tok, sampler):
+  # A format with no stop strings and an env without any: greedy actions run
+  # to the token budget. Make the first greedy token the tokenizer's EOS:
+  # the same action must now end right there.
+  bare = T.ChatFormat(name="bare", prompt="{system}\n{task}\n",
+                      observation="\nObs: {observation}\n", end_of_turn="", stops=())
+  cfg = RolloutConfig(max_turns=1, max_action_tokens=8)
+  first = RolloutEngine(_Quiet, tok, bare, sampler, cfg).run(
+      _tasks(1), temperature=0.0).trajectories[0]
+  action = first.segments[1].token_ids
+  assert len(action) == 8 and first.metadata["stop_reasons"] == [2]  # STOP_BUDGET
+  eos_tok = T.load_tokenizer()
+  eos_tok.eos_token = eos_tok.convert_ids_to_tokens(action[0])
+  assert eos_tok.eos_token_id == action[0] != tok.eos_token_id
+  engine = RolloutEngine(_Quiet, eos_tok, bare, sampler, cfg)
+  assert engine.stops == ((action[0],),)
+  again = engine.run(_tasks(1), temperature=0.0).trajectories[0]
+  assert again.segments[1].token_ids == action[:1]
+  assert again.metadata["stop_reasons"] == [1]  # STOP_SEQUENCE
+
+
+class _Quiet(CountdownEnv):
+  stop_strings = ()

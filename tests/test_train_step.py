@@ -38,7 +38,7 @@ def _run(model, cfg, batch, tx=None, steps=1):
   for _ in range(steps):
     before = state.params
     before = jax.tree.map(jnp.copy, before)
-    state, metrics = step(state, batch, jax.random.key(0))
+    state, metrics = step(state, batch)
   return before, state, metrics, step
 
 
@@ -122,6 +122,8 @@ def test_logprob_gap_and_truncated_importance_sampling(model):
   _, _, m, _ = _run(model, train.LossConfig(), shifted)
   np.testing.assert_allclose(m["logprob_gap_mean_abs"], 0.5, rtol=1e-4)
   np.testing.assert_allclose(m["ratio_mean"], np.exp(-0.5), rtol=1e-4)
+  # KL(sampler || trainer) by k3, d = trainer - sampler = -0.5: e^-0.5 - 1 + 0.5.
+  np.testing.assert_allclose(m["logprob_gap_kl"], np.exp(-0.5) - 0.5, rtol=1e-4)
   # TIS: ratios against the trainer's own log-probs (1), weights min(e^-0.5, cap).
   _, after_tis, m, _ = _run(model, train.LossConfig(is_correction="tis"), shifted)
   np.testing.assert_allclose(m["ratio_mean"], 1.0, rtol=1e-4)
@@ -163,3 +165,100 @@ def test_sft_step_learns_the_action_tokens(model):
   assert history[-1][0] < 0.3 * history[0][0]
   assert history[-1][1] > 0.9 > history[0][1]
   assert step.traces == 1
+
+
+def _windowed_batch(seed=6, vocab=64):
+  """8 sliding-window trajectories of 2-4 views each, one view per row.
+
+  Rows are ordered view by view (all first views, then all second ones,
+  ...), so many trajectories' views land in different micro-batches.
+  """
+  rng = np.random.default_rng(seed)
+  trajs = []
+  for i in range(8):
+    turns = 2 + i % 3
+    segs = [Segment(Role.SYSTEM, rng.integers(0, vocab, 4))]
+    for _ in range(turns):
+      a = rng.integers(0, vocab, int(rng.integers(2, 6)))
+      segs += [Segment(Role.ASSISTANT, a, -rng.uniform(3, 5, len(a))),
+               Segment(Role.OBSERVATION, rng.integers(0, vocab, 3))]
+    starts = [1 + 2 * k for k in range(turns)]  # each action sees only its own turn
+    trajs.append(Trajectory(segs, reward=1.0, context_starts=starts))
+  batch = collate(trajs, buckets=(32,), num_rows=32)
+  order = np.lexsort((batch.seq_ids[:, 0], _view_number(batch.seq_ids[:, 0])))
+  batch = jax.tree.map(lambda x: x[order], batch)
+  adv = batch.loss_mask * rng.normal(size=batch.loss_mask.shape).astype(np.float32)
+  return batch.replace(advantages=adv)
+
+
+def _view_number(first_ids):
+  """k for the k-th row of the same seq id (padding rows count as views too)."""
+  seen: dict[int, int] = {}
+  out = []
+  for i in first_ids:
+    out.append(seen.get(int(i), 0))
+    seen[int(i)] = out[-1] + 1
+  return np.asarray(out)
+
+
+@pytest.mark.parametrize("agg", losses.LOSS_AGG_MODES)
+def test_accumulation_is_exact_when_views_split_across_micro_batches(model, agg):
+  batch = _windowed_batch()
+  seq_of_row = batch.seq_ids.max(axis=1)
+  for n in (2, 4, 8):  # most trajectories have views in two micro-batches
+    parts = seq_of_row.reshape(n, -1)
+    split = [s for s in set(seq_of_row[seq_of_row >= 0]) if sum(s in p for p in parts) > 1]
+    assert len(split) >= 4, (n, split)
+  base = dict(agg=agg, kl_beta=0.05, entropy_coef=0.01, norm_constant=20.0)
+  _, full, metrics, _ = _run(model, train.LossConfig(**base), batch, tx=_CAPTURE)
+  loss_fn, params = _reference_loss(model, batch, train.LossConfig(**base),
+                                    params_ref=params_of(model))
+  np.testing.assert_allclose(metrics["loss"], loss_fn(params), rtol=1e-6)
+  want = jax.grad(loss_fn)(params)
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for micro in (1, 2, 4, 8):
+    _, split, m2, _ = _run(model, train.LossConfig(**base, micro_batches=micro), batch,
+                           tx=_CAPTURE)
+    np.testing.assert_allclose(m2["loss"], metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m2["pg_loss"], metrics["pg_loss"], rtol=1e-6, atol=1e-7)
+    for g, w in zip(jax.tree.leaves(split.opt_state), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)
+
+
+# Leaves the parameters alone and keeps the gradient as its state: the test
+# reads the accumulated gradient itself, not a parameter difference (whose
+# float32 rounding is larger than the accumulation error being tested).
+_CAPTURE = optax.GradientTransformation(
+    lambda params: jax.tree.map(jnp.zeros_like, params),
+    lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def test_aggregation_weights_split_by_hand():
+  # One trajectory, two views (rows 0 and 1, seq id 0) with 2 and 3 action
+  # tokens of loss 1 and 2; a second trajectory (row 2) with 1 token of loss 4.
+  x = np.array([[1, 1, 0], [2, 2, 2], [4, 0, 0]], np.float32)
+  m = np.array([[1, 1, 0], [1, 1, 1], [1, 0, 0]], np.float32)
+  ids = np.array([[0, 0, 0], [0, 0, 0], [1, -1, -1]], np.int32)
+  # seq-mean-token-sum: ((2 + 6) + 4) / 2 sequences = 6; token-mean: 12 / 6 = 2;
+  # seq-mean-token-mean: (8 / 5 + 4 / 1) / 2 = 2.8; -norm with C = 4: 6 / 4.
+  want = {"seq-mean-token-sum": 6.0, "token-mean": 2.0, "seq-mean-token-mean": 2.8,
+          "seq-mean-token-sum-norm": 1.5}
+  for mode, value in want.items():
+    kw = dict(seq_ids=ids, norm_constant=4.0)
+    np.testing.assert_allclose(losses.aggregate_loss(x, m, mode, **kw), value, rtol=1e-6)
+    w = np.asarray(losses.aggregation_weights(m, mode, **kw))
+    split = sum(float(losses.weighted_sum(x[r:r + 1], w[r:r + 1])) for r in range(3))
+    np.testing.assert_allclose(split, value, rtol=1e-6)
+
+
+def test_logprob_gap_kl_is_k3_of_kl_sampler_to_trainer():
+  # The k3 estimator exp(d) - 1 - d (d = trainer - sampler log-prob),
+  # averaged over the sampler's own distribution, is exactly KL(sampler || trainer).
+  rng = np.random.default_rng(0)
+  s = jax.nn.log_softmax(jnp.asarray(rng.normal(size=7), jnp.float32))
+  t = jax.nn.log_softmax(jnp.asarray(rng.normal(size=7), jnp.float32))
+  per_token = losses.kl_penalty(s[None], t[None], "k3")[0]
+  exact = jnp.sum(jnp.exp(s) * (s - t))
+  np.testing.assert_allclose(jnp.sum(jnp.exp(s) * per_token), exact, rtol=1e-5)
+  # The reverse direction (the old metric's exp(-d) - 1 + d) is another number.
+  assert abs(float(jnp.sum(jnp.exp(s) * (jnp.exp(s - t) - 1 - (s - t)))) - float(exact)) > 0.05

@@ -352,7 +352,7 @@ class Sampler:
         raw_logprobs=jnp.zeros((b, t_max), jnp.float32),
         sampled_logprobs=jnp.zeros((b, t_max), jnp.float32),
         num_tokens=jnp.zeros(b, jnp.int32),
-        stop_reason=jnp.zeros(b, jnp.int32))
+        stop_reason=jnp.full(b, STOP_NONE, jnp.int32))
     tail = stops_lib.empty_tail(b, self.max_stop_length)
 
     def cond(carry):

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from flax import nnx
 import jax
 import numpy as np
 
@@ -40,6 +39,7 @@ from agentrl_jax.envs.base import Task
 from agentrl_jax.rollout import RolloutEngine
 from agentrl_jax.train import credit
 from agentrl_jax.train.state import TrainState
+from agentrl_jax.train import step as step_lib
 from agentrl_jax.train.step import RLStep
 from agentrl_jax.trajectory import TokenBatch, Trajectory, bucket_length, collate
 
@@ -115,9 +115,7 @@ class RLTrainer:
       self._values = jax.jit(self._values_impl, out_shardings=self._rows)
 
   def _values_impl(self, params, batch):
-    model = nnx.merge(self.step.graphdef, params)
-    hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
-    return model.values(hidden)
+    return step_lib.forward(self.step.graphdef, params, batch)[1]  # logits: dead code to XLA
 
   def iteration(self, tasks: Sequence[Task], it: int) -> dict[str, float]:
     cfg = self.cfg
@@ -163,8 +161,7 @@ class RLTrainer:
                             branch_values=branch_values)
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics = self._combine(metrics, len(result.trajectories))
-    key = jax.random.fold_in(jax.random.key(self.seed), it)
-    self.state, train_metrics = self.step(self.state, to_global(batch), key)
+    self.state, train_metrics = self.step(self.state, to_global(batch))
     train_metrics = jax.device_get(train_metrics)
     self.engine.sampler.update_params(self.state.params)
     skipped = float(train_metrics["skipped_updates"]) > 0

@@ -1,6 +1,6 @@
 """The jitted RL and SFT train steps.
 
-`RLStep(graphdef, tx, cfg)` is `train_step(state, batch, rng) -> (state,
+`RLStep(graphdef, tx, cfg)` is `train_step(state, batch) -> (state,
 metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
 
   1. recompute the behaviour log-probs with the trainer (no grad) and log
@@ -9,10 +9,14 @@ metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
      (lax.scan), then one optax update, skipped if the loss or any gradient
      is non-finite.
 
-Gradient accumulation is exact: each micro-batch's loss is weighted by its
-share of the aggregation units (action tokens for "token-mean", sequences
-for the "seq-mean-*" modes), so the accumulated gradient is the full-batch
-gradient whatever the micro-batch split.
+Gradient accumulation is exact: the aggregation weights of every token
+(`losses.aggregation_weights`: 1 / action tokens for "token-mean", 1 /
+(sequences x the sequence's action tokens) for "seq-mean-token-mean", ...)
+are computed on the whole batch before it is split, so summing the
+micro-batches' weighted losses gives the full-batch loss and gradient
+whatever the split, also when the views of one sliding-window trajectory
+land in different micro-batches. Token-mean metrics (clip fractions,
+ratios) combine by each micro-batch's share of the action tokens.
 
 Importance ratios use the sampler's rollout log-probs (`is_correction=
 "none"`), or, with "tis", the trainer's recomputed ones times truncated
@@ -73,20 +77,17 @@ def decision_mask(turn_index: jax.Array) -> jax.Array:
   return (nxt >= 0) & (nxt != turn_index)
 
 
-def _forward(graphdef, params, batch: TokenBatch):
+def forward(graphdef: nnx.GraphDef, params, batch: TokenBatch):
+  """(logits [B, L, V], values [B, L] or None) of the model on a batch."""
   model = nnx.merge(graphdef, params)
   hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
   values = model.values(hidden) if model.value_head is not None else None
   return model.logits(hidden), values
 
 
-def _units(batch: TokenBatch, agg: str) -> jax.Array:
-  """How many aggregation units (tokens or sequences) a (micro-)batch holds."""
-  mask = batch.loss_mask * (batch.seq_ids >= 0)
-  if agg == "token-mean":
-    return jnp.sum(mask)
-  _, counts = losses._sequence_stats(mask, mask, batch.seq_ids)  # pylint: disable=protected-access
-  return jnp.sum(counts > 0).astype(jnp.float32)
+def _keep_if(ok: jax.Array, new, old):
+  """`new` where the update is finite (ok), else `old`: a bad step changes nothing."""
+  return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
 def _split(batch, n: int):
@@ -127,7 +128,7 @@ class _StepJit:
 
 
 class RLStep:
-  """Jitted `(state, batch, rng) -> (state, metrics)`; see the module doc.
+  """Jitted `(state, batch) -> (state, metrics)`; see the module doc.
 
   mesh: None (one device, or wherever the inputs already are), or a
     `sharding.make_mesh` mesh to run data/FSDP/tensor parallel on.
@@ -139,62 +140,64 @@ class RLStep:
     self.traces = 0
     self._jit = _StepJit(self._step, mesh)
 
-  def __call__(self, state: TrainState, batch: TokenBatch, rng: jax.Array):
-    """rng: reserved for stochastic losses; the current losses use none."""
-    del rng
+  def __call__(self, state: TrainState, batch: TokenBatch):
     return self._jit(state, batch)
 
   def _step(self, state: TrainState, batch: TokenBatch):
     self.traces += 1  # runs only while tracing
     cfg = self.cfg
-    micro = _split(batch, cfg.micro_batches)
+    # Aggregation weights over the whole batch, before the split: exact
+    # accumulation whatever micro-batch a token (or a view) lands in.
+    weights_all = losses.aggregation_weights(
+        batch.loss_mask, cfg.agg, norm_constant=cfg.norm_constant, seq_ids=batch.seq_ids)
+    micro, agg_weights = _split((batch, weights_all), cfg.micro_batches)
     lp_of = lambda params, mb: losses.token_logprobs(
-        _forward(self.graphdef, params, mb)[0], mb.tokens)
+        forward(self.graphdef, params, mb)[0], mb.tokens)
 
     # -- 1. Behaviour log-probs under the trainer; reference log-probs. --------
     trainer_old = jax.lax.map(lambda mb: lp_of(state.params, mb), micro)
     ref = (jax.lax.map(lambda mb: lp_of(state.ref_params, mb), micro)
            if cfg.kl_beta > 0 else jnp.zeros_like(trainer_old))
     rollout = micro.old_logprobs
-    mask = micro.loss_mask
+    mask = micro.loss_mask * (micro.seq_ids >= 0)
     gap = jnp.where(mask > 0, trainer_old - rollout, 0.0)
     metrics = {
         "logprob_gap_mean_abs": masked_mean(jnp.abs(gap), mask),
         "logprob_gap_max_abs": jnp.max(jnp.abs(gap)),
-        "logprob_gap_kl": masked_mean(jnp.exp(-gap) - 1.0 + gap, mask),
+        # k3 estimate of KL(sampler || trainer) from the sampler's tokens.
+        "logprob_gap_kl": masked_mean(losses.kl_penalty(rollout, trainer_old, "k3"), mask),
     }
     if cfg.is_correction == "tis":
       old, weights = trainer_old, jnp.minimum(jnp.exp(gap), cfg.tis_cap)
     else:
       old, weights = rollout, jnp.ones_like(rollout)
-    units = jax.vmap(lambda mb: _units(mb, cfg.agg))(micro)
-    share = units / jnp.maximum(jnp.sum(units), 1.0)
+    tokens = jnp.sum(mask, axis=(1, 2))
+    token_share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     values_on = jax.vmap(decision_mask)(micro.turn_index) & (micro.seq_ids >= 0)
     value_share = jnp.sum(values_on, axis=(1, 2)) / jnp.maximum(jnp.sum(values_on), 1)
 
-    def loss_fn(params, mb, old, ref, weights, share, value_on, value_share):
-      logits, values = _forward(self.graphdef, params, mb)
+    def loss_fn(params, mb, old, ref, weights, agg_weights, token_share, value_on,
+                value_share):
+      logits, values = forward(self.graphdef, params, mb)
       lp = losses.token_logprobs(logits, mb.tokens)
-      agg = dict(agg=cfg.agg, norm_constant=cfg.norm_constant, seq_ids=mb.seq_ids)
       pg, m = losses.policy_loss(
           lp, old, mb.advantages, mb.loss_mask, clip_low=cfg.clip_low,
-          clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=weights, **agg)
-      total = pg
-      aggregate = lambda x: losses.aggregate_loss(x, mb.loss_mask, cfg.agg, **{
-          k: v for k, v in agg.items() if k != "agg"})
-      m["pg_loss"] = pg
+          clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=weights,
+          token_weights=agg_weights)
+      # Token-mean metrics combine by token share, maxima by max; the loss
+      # terms are already this micro-batch's part of the full-batch sum.
+      m = {k: v if k.endswith("_max") else token_share * v for k, v in m.items()}
+      loss = m["pg_loss"] = pg
       if cfg.kl_beta > 0:
-        m["kl"] = aggregate(losses.kl_penalty(lp, ref, cfg.kl_kind))
-        total = total + cfg.kl_beta * m["kl"]
+        m["kl"] = losses.weighted_sum(losses.kl_penalty(lp, ref, cfg.kl_kind), agg_weights)
+        loss = loss + cfg.kl_beta * m["kl"]
       if cfg.entropy_coef > 0:
-        m["entropy"] = aggregate(losses.entropy(logits))
-        total = total - cfg.entropy_coef * m["entropy"]
-      loss = share * total
+        m["entropy"] = losses.weighted_sum(losses.entropy(logits), agg_weights)
+        loss = loss - cfg.entropy_coef * m["entropy"]
       if cfg.value_coef > 0:
-        m["value_loss"] = masked_mean(jnp.square(values - mb.returns), value_on)
-        loss = loss + value_share * cfg.value_coef * m["value_loss"]
-      # Metrics combine like the loss (weighted by share), maxima by max.
-      return loss, {k: v if k.endswith("_max") else share * v for k, v in m.items()}
+        m["value_loss"] = value_share * masked_mean(jnp.square(values - mb.returns), value_on)
+        loss = loss + cfg.value_coef * m["value_loss"]
+      return loss, m
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -217,14 +220,13 @@ class RLStep:
           [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
       updates, new_opt = self.tx.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
-      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
       m = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads),
            "skipped_update": 1.0 - ok.astype(jnp.float32)}
-      carry = (keep(new_params, params), keep(new_opt, opt_state),
+      carry = (_keep_if(ok, new_params, params), _keep_if(ok, new_opt, opt_state),
                step + ok, skipped + (1 - ok))
       return carry, m
 
-    xs_all = (micro, old, ref, weights, share, values_on, value_share)
+    xs_all = (micro, old, ref, weights, agg_weights, token_share, values_on, value_share)
     (params, opt_state, step, skipped), per_epoch = jax.lax.scan(
         epoch, (state.params, state.opt_state, state.step, state.skipped), None,
         length=cfg.ppo_epochs)
@@ -254,20 +256,18 @@ class SFTStep:
     self.traces += 1
 
     def loss_fn(params):
-      logits, _ = _forward(self.graphdef, params, batch)
+      logits, _ = forward(self.graphdef, params, batch)
       lp = losses.token_logprobs(logits, batch.tokens)
       mask = batch.loss_mask * (batch.seq_ids >= 0)
       return -masked_mean(lp, mask), masked_mean(
-          (jnp.argmax(logits, -1) == jnp.pad(batch.tokens[:, 1:], ((0, 0), (0, 1))))
-          .astype(jnp.float32), jnp.pad(mask[:, 1:], ((0, 0), (0, 1))))
+          losses.token_accuracy(logits, batch.tokens), mask)
 
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     ok = jnp.isfinite(loss)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-    state = state.replace(params=keep(params, state.params),
-                          opt_state=keep(opt_state, state.opt_state),
+    state = state.replace(params=_keep_if(ok, params, state.params),
+                          opt_state=_keep_if(ok, opt_state, state.opt_state),
                           step=state.step + ok, skipped=state.skipped + (1 - ok))
     return state, {"sft_loss": loss, "token_accuracy": acc,
                    "grad_norm": optax.tree.norm(grads)}
