@@ -2,6 +2,7 @@
 
 import ast
 import collections
+import dataclasses
 import json
 import math
 import re
@@ -102,7 +103,9 @@ def test_wrong_and_partly_right_submissions(task):
 
 
 def test_time_limits_become_observations(task):
-  env = PythonToolEnv(sandbox=FAST)
+  # A wall limit far above the CPU limit: on a starved CPU the busy loop
+  # still reaches its CPU second first.
+  env = PythonToolEnv(sandbox=dataclasses.replace(FAST, wall_seconds=30))
   loop, submitted = play(env, task, ["<python>while True: pass</python>",
                                      "<submit>def solve(*a):\n  while True: pass</submit>"])
   assert loop.observation.startswith("Timed out: cpu time limit") and not loop.terminated

@@ -28,6 +28,9 @@ from agentrl_jax.envs.sandbox import Sandbox
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIMITS = dict(cpu_seconds=1, wall_seconds=2, memory_mb=128, max_processes=8,
               max_file_mb=2, disk_mb=8, max_files=128, output_bytes=1024)
+# A CPU-bound attack must hit the CPU limit before the wall limit even when
+# the machine is loaded (at a 5% CPU share, 1 CPU second takes 20 s of wall).
+ATTACK_LIMITS = {"infinite_loop": dict(wall_seconds=30)}
 MARKERS = ["/tmp/escape_marker", "/var/tmp/escape_marker", "/dev/shm/escape_marker",
            "/root/escape_marker", "/escape_marker", "/etc/escape_marker",
            str(REPO / "escape_marker")]
@@ -160,9 +163,9 @@ def _run_attacks(args):
   listener.setblocking(False)
   fmt = dict(runner_pid=os.getpid(), pytest_pid=args["pytest_pid"], secret=args["secret"],
              port=listener.getsockname()[1], markers=MARKERS, repo=str(REPO))
-  box = Sandbox(**LIMITS, require_isolation=True)
   report = {}
   for name in args["attacks"]:
+    box = Sandbox(**{**LIMITS, **ATTACK_LIMITS.get(name, {})}, require_isolation=True)
     code = ATTACKS[name]
     for key, value in fmt.items():
       code = code.replace("{" + key + "}", str(value))
@@ -225,7 +228,7 @@ def attacks(secret):
     join = " && ".join(f'echo $$ > "{d}/cgroup.procs"' for d in dirs)
     args = json.dumps(dict(pytest_pid=os.getpid(), secret=secret, attacks=list(ATTACKS)))
     proc = subprocess.run(["sh", "-c", f'{join} && exec "$@"', "sh", sys.executable, __file__, args],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.splitlines()[-1])
     with open(secret) as f:
