@@ -1,7 +1,7 @@
 """Token-level RL losses: log-probs, clipped surrogate, aggregation, KL, entropy.
 
-Pure, jittable functions over [B, L] arrays aligned with the tokens (DESIGN.md
-convention 1): position i describes token i, so a loss mask from
+Pure, jittable functions over [B, L] arrays aligned with the tokens
+(docs/design.md, convention 1): position i describes token i, so a loss mask from
 `trajectory.collate` is used as is and never shifted by hand. The forward
 pass lives in the train step, not here.
 """

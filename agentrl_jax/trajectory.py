@@ -6,7 +6,7 @@ including the stop sequence it emitted) are actions and get a loss; SYSTEM
 (task prompt) and OBSERVATION (environment output plus any template tokens the
 rollout wraps around it, such as the next assistant header) are context.
 
-Alignment convention (DESIGN.md, "Conventions"): every per-token array is
+Alignment convention (docs/design.md, convention 1): every per-token array is
 aligned with the token ids, so `loss_mask[i]`, `logprobs[i]`, `turn_index[i]`
 describe `ids[i]`. `losses.token_logprobs` returns log p(ids[i] | ids[:i]) at
 position i, so nothing here or downstream shifts a mask by hand.
@@ -358,7 +358,7 @@ def truncate_to(traj: Trajectory, max_len: int) -> Trajectory:
 class TokenBatch:
   """Padded, bucketed per-token arrays for one jitted train step.
 
-  All fields are [B, L] and aligned with `tokens` (DESIGN.md convention 1).
+  All fields are [B, L] and aligned with `tokens` (docs/design.md, convention 1).
   `collate` returns host (numpy) arrays; place them with `jax.device_put`
   (and a sharding) at the jit boundary.
   """

@@ -7,7 +7,7 @@
 
 - `terminated`: the task really ended (its return is final).
   `truncated`: a budget ran out first (its return is a lower bound). They are
-  never merged (DESIGN.md convention 4).
+  never merged (docs/design.md, convention 4).
 - Errors are observations (convention 5): a malformed action, an unknown
   tool, a tool exception or timeout comes back as an observation saying so
   (with the configured format penalty); no exception escapes `step`.

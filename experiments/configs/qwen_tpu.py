@@ -8,8 +8,9 @@ The string after ':' is the local checkpoint directory (config.json,
 *.safetensors and the tokenizer files, e.g. from `huggingface-cli download
 Qwen/Qwen2.5-0.5B-Instruct --local-dir /models/Qwen2.5-0.5B-Instruct` on a
 machine with network). The tokenizer is the checkpoint's own and the chat
-format is ChatML, which is Qwen's. This runs on one device; sharding over a
-TPU slice is a later issue. Not run yet: no checkpoint or accelerator was
+format is ChatML, which is Qwen's. It runs on one device as is; over a TPU
+slice or several GPUs add a mesh, e.g. `--config.mesh.fsdp=4` (README,
+"Sharding"; `agentrl_jax.sharding`). Not run yet: no checkpoint or accelerator was
 available where this config was written, so it states no expected result.
 """
 
