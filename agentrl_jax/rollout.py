@@ -19,7 +19,10 @@ Each finished episode is recorded as a `Trajectory` whose ids are exactly
 what the sampler consumed and produced: SYSTEM = the prompt delta,
 ASSISTANT = the sampled tokens (stop sequence included) with their raw
 log-probs, OBSERVATION = the observation delta (wrapper and next assistant
-header included).
+header included). A terminated episode ends on its last action; a truncated
+one (turn budget, or the environment's truncation) ends on the observation
+that followed it, the state its return bootstraps from (docs/design.md,
+convention 4), unless that would overflow the context.
 
 Partial rollouts: with `token_budget`, `run` stops decoding once this call
 generated that many tokens; unfinished episodes (and finished members of
@@ -455,16 +458,20 @@ class RolloutEngine:
     ep.parts.update(result.info.get("reward_parts", {}))
     ep.tool_calls += bool(result.info.get("tool_call"))
     ep.tool_errors += bool(result.info.get("tool_error"))
-    if result.terminated or result.truncated:
-      ep.finish(terminated=result.terminated, truncated=result.truncated,
-                reason="env" if result.truncated else None)
-      return
-    if len(ep.rewards) >= self.config.max_turns:
-      ep.finish(truncated=True, reason="max_turns")
+    if result.terminated:
+      ep.finish(terminated=True)
       return
     ep.observation = self._clip_observation(result.observation)
     delta = self.fmt.observation_ids(self.tok, ep.observation,
                                      ep.segments[-1].token_ids)
+    if result.truncated or len(ep.rewards) >= self.config.max_turns:
+      # The state the budget cut the episode in: kept (never fed to the
+      # sampler) so a truncated return bootstraps from a value read where the
+      # value head is trained, after an observation and an assistant header.
+      if ep.length + len(delta) <= self.max_context:
+        ep.segments.append(Segment(Role.OBSERVATION, delta))
+      ep.finish(truncated=True, reason="env" if result.truncated else "max_turns")
+      return
     ep.segments.append(Segment(Role.OBSERVATION, delta))
     ep.pending = delta
     window = self.config.context_window

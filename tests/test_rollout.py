@@ -123,7 +123,9 @@ def test_budgets_errors_and_truncation(tok, sampler):
     assert t.num_turns == 2
     assert all(len(s) <= 8 for s in t.segments if s.role == Role.ASSISTANT)
     obs = [tok.decode(s.token_ids) for s in t.segments if s.role == Role.OBSERVATION]
-    assert len(obs) == 1 and "...[truncated" in obs[0]
+    # The second observation is the state the turn budget cut it in.
+    assert len(obs) == 2 and all("...[truncated" in o for o in obs)
+    assert t.segments[-1].role == Role.OBSERVATION
 
 
 def test_expert_mode_and_the_bpe_seam(tok):
@@ -377,3 +379,53 @@ def test_the_tokenizers_eos_always_stops_an_action(tok, sampler):
 
 class _Quiet(CountdownEnv):
   stop_strings = ()
+
+
+class _TruncatingEnv(CountdownEnv):
+  """Truncates itself (its own time limit) at its second step."""
+
+  def step(self, action):
+    result = super().step(action)
+    return dataclasses.replace(result, truncated=len(self.seen) >= 3, terminated=False)
+
+
+@pytest.mark.parametrize("env, max_turns, reason", [(CountdownEnv, 2, "max_turns"),
+                                                    (_TruncatingEnv, 4, "env")])
+def test_gae_bootstraps_a_real_truncated_rollout_where_the_value_head_trains(
+    tok, env, max_turns, reason):
+  from agentrl_jax import train
+  from agentrl_jax.train import credit
+  model = models.Decoder(models.tiny_config("llama", value_head=True), rngs=nnx.Rngs(3))
+  sampler = Sampler(model, num_slots=4, cache_length=256, max_decode_length=16,
+                    length_buckets=(16, 32, 64))
+  engine = RolloutEngine(env, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=max_turns, max_action_tokens=6))
+  trajs = engine.run(_tasks(2, steps=(9,)), group_size=2).trajectories
+  for i, t in enumerate(trajs):
+    t.metadata["group_id"] = i // 2
+    assert t.truncated and t.metadata["truncation"] == reason and t.num_turns == 2
+    # It ends in the state after its last action: the observation delta,
+    # which ends with the next assistant header, like every decision state.
+    assert [s.role for s in t.segments[-2:]] == [Role.ASSISTANT, Role.OBSERVATION]
+    assert tok.decode(t.segments[-1].token_ids).endswith("<|im_start|>assistant\n")
+  batch = collate(trajs, buckets=(256,))
+  values = np.asarray(model.values(model.hidden_states(
+      jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+      seq_ids=jnp.asarray(batch.seq_ids))[0]))
+  turn_values, bootstrap = credit.turn_values_from_tokens(values, batch, 4, 2)
+  decision = np.asarray(train.decision_mask(jnp.asarray(batch.turn_index)))
+  for i, t in enumerate(trajs):
+    last = len(t) - 1
+    # The bootstrap is the value at the trajectory's last token, which holds
+    # the same token as the positions the value loss trains (decision_mask).
+    assert bootstrap[i] == values[i, last]
+    assert batch.tokens[i, last] in set(batch.tokens[decision])
+    assert set(batch.tokens[decision]) == {batch.tokens[i, last]}
+  got = credit.assign("gae", trajs, batch, gamma=0.9, lam=1.0, num_turns=2,
+                      token_values=values)
+  for i, t in enumerate(trajs):
+    r = t.turn_rewards
+    # lam = 1: A_1 = r_1 + gamma V(s_2) - V(s_1), V(s_2) the bootstrap.
+    want = r[1] + 0.9 * bootstrap[i] - turn_values[i, 1]
+    on = (batch.seq_ids == i) & (batch.turn_index == 1)
+    np.testing.assert_allclose(got.advantages[on], want, rtol=1e-5, atol=1e-6)

@@ -42,9 +42,13 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
 
   Returns (values [N, T], bootstrap [N]): the value head at the token before
   each turn's first action (in the context that action was sampled in), and
-  at each trajectory's last token (the state after its last turn, for
-  truncated episodes; under a sliding window, the last token of the view
-  holding its last turn).
+  at each trajectory's last token when that is not an action token: a
+  truncated episode ends on the observation after its last action and the
+  next assistant header (the state after its last turn; under a sliding
+  window, the last token of the view holding its last turn), the same kind
+  of position the value head is trained at. An episode that ends on an
+  action has no next state (it terminated, or the next observation did not
+  fit the context, so nothing could follow): bootstrap 0.
   """
   seq_ids, turn_index = batch.seq_ids, batch.turn_index
   on = np.asarray(decision_mask(jnp.asarray(turn_index))) & (seq_ids >= 0)
@@ -64,7 +68,8 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
   for r, c in zip(*np.nonzero(last)):
     i, turn = seq_ids[r, c], run_turn[run_id[r, c]]
     if turn > best[i]:
-      best[i], bootstrap[i] = turn, token_values[r, c]
+      best[i] = turn
+      bootstrap[i] = token_values[r, c] if turn_index[r, c] < 0 else 0.0
   return values, bootstrap
 
 
