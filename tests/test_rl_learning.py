@@ -131,3 +131,38 @@ def test_rl_iteration_with_branching_baselines():
   points = m["rollout/episodes"] * (m["rollout/turns_mean"] - 1)
   assert points > 0 and m["rollout/branch_episodes"] == 2 * points
   assert m["train/skipped_updates"] == 0
+
+
+class _ShapedEnv(LookupEnv):
+  """Two turns whatever the action: process reward +1, then -1 (return 0)."""
+
+  def _step(self, action):
+    first = self.turns == 1
+    return "next" if first else "done", {"process": 1.0 if first else -1.0}, not first, {}
+
+
+def _filtered_iteration(credit):
+  model = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0))
+  sampler = Sampler(model, num_slots=16, cache_length=128, max_decode_length=8,
+                    length_buckets=(16, 64))
+  engine = RolloutEngine(_ShapedEnv, T.load_tokenizer(), T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True))
+  tx = optax.adam(1e-4)
+  graphdef, state = train.init_train_state(model, tx, with_reference=False)
+  trainer = rl.RLTrainer(
+      engine, train.RLStep(graphdef, tx, train.LossConfig()), state,
+      rl.RLConfig(group_size=2, tasks_per_iteration=2, buckets=(128,), credit=credit,
+                  filter_zero_variance=True), seed=0)
+  return trainer.iteration(LookupEnv.tasks("train", 2, 0), 1)
+
+
+def test_filtering_drops_only_groups_whose_advantages_are_all_zero():
+  # Every episode's return is 0, so every group is flat in reward: GRPO has
+  # nothing to learn and the whole batch is dropped...
+  m = _filtered_iteration("grpo")
+  assert m["rollout/kept_frac"] == 0.0 and m["rollout/dropped_groups"] == 2.0
+  assert m["train/skipped_batch"] == 1.0
+  # ... but returns-to-go are [0, -1] per episode: per-turn signal, all kept.
+  m = _filtered_iteration("turn_returns")
+  assert m["rollout/kept_frac"] == 1.0 and m["rollout/dropped_groups"] == 0.0
+  assert "train/skipped_batch" not in m and m["train/batch_tokens"] > 0

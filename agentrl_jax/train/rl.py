@@ -3,16 +3,17 @@
 One `RLTrainer.iteration(tasks, it)`:
 
   1. G rollouts per task through the RolloutEngine (policy version = it);
-  2. optional filtering of groups whose rewards have zero variance (their
-     group-relative advantage is identically 0: they only cost compute);
-  3. collate into a fixed [tasks x G, bucket] batch (static shapes; a
+  2. collate into a fixed [tasks x G, bucket] batch (static shapes; a
      sliding-window context policy adds a row per extra view, rounded up to
      a multiple of tasks x G so the step sees few shapes);
-  4. credit assignment by name (`credit.assign`), with a value-head forward
+  3. credit assignment by name (`credit.assign`), with a value-head forward
      for "gae", and for "branching" `branch_size` continuations sampled from
      the state before every turn t >= 1 of every trajectory (a rollout cost
      of about branch_size x mean turns extra episodes per trajectory; the
      continuations only estimate values and are not trained on);
+  4. optional filtering (`filter_zero_variance`): the rows of groups whose
+     advantages are all exactly 0 are dropped (they only cost compute),
+     logged as `rollout/kept_frac` and `rollout/dropped_groups`;
   5. the jitted train step, then weight sync into the sampler.
 
 With several processes (`agentrl_jax.distributed`) each one rolls out its
@@ -45,7 +46,7 @@ from agentrl_jax.trajectory import TokenBatch, Trajectory, bucket_length, collat
 
 # Rollout metrics that add up over processes, and those whose maximum counts.
 _SUMS = ("rollout/episodes", "rollout/env_steps", "rollout/branch_episodes",
-         "train/batch_tokens")
+         "rollout/dropped_groups", "train/batch_tokens")
 _MAXIMA = ("rollout/turns_max", "rollout/env_wait_s", "rollout/generation_s")
 
 
@@ -126,20 +127,15 @@ class RLTrainer:
     trajs = result.trajectories
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
     metrics["rollout/env_steps"] = float(sum(t.num_turns for t in trajs))
-    if cfg.filter_zero_variance:
-      trajs = _drop_flat_groups(trajs)
-      metrics["rollout/kept_frac"] = len(trajs) / max(len(result.trajectories), 1)
     # Static shapes, the same on every process: rows for the most views any
     # process holds (a multiple of its share of tasks x G, so the step sees
     # few shapes), the bucket of the longest sequence of any process.
-    any_kept, views, longest = distributed.agree_max([
+    base = cfg.tasks_per_iteration * cfg.group_size // jax.process_count()
+    any_rolled, views, longest = distributed.agree_max([
         len(trajs) > 0, sum(t.num_views for t in trajs),
         max((len(f.ids) for t in trajs for f in t.flatten_views()), default=0)])
-    if not any_kept:  # every group was flat: nothing to learn from this batch
-      metrics = self._combine(metrics, len(result.trajectories))
-      metrics["train/skipped_batch"] = 1.0
-      return metrics
-    base = cfg.tasks_per_iteration * cfg.group_size // jax.process_count()
+    if not any_rolled:  # partial rollouts: no group completed anywhere yet
+      return self._skip(metrics, len(trajs))
     num_rows, length = base * -(-int(views) // base), bucket_length(int(longest), cfg.buckets)
     batch = (collate(trajs, buckets=(length,), num_rows=num_rows) if trajs
              else _padding_batch(num_rows, length))
@@ -159,6 +155,14 @@ class RLTrainer:
       batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
                             num_turns=self.engine.config.max_turns, token_values=values,
                             branch_values=branch_values)
+    if cfg.filter_zero_variance:
+      batch, kept, dropped = _drop_groups_without_signal(batch, trajs)
+      metrics["rollout/kept_frac"] = kept / max(len(trajs), 1)
+      metrics["rollout/dropped_groups"] = float(dropped)
+      rows, = distributed.agree_max([int(np.sum(batch.seq_ids.max(axis=1) >= 0))])
+      if rows == 0:  # no group carries any signal: nothing to learn from this batch
+        return self._skip(metrics, len(trajs))
+      batch = _pad_rows(batch, base * -(-int(rows) // base))
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics = self._combine(metrics, len(result.trajectories))
     self.state, train_metrics = self.step(self.state, to_global(batch))
@@ -171,6 +175,11 @@ class RLTrainer:
           f"{self.bad_in_a_row} train steps in a row had a non-finite loss or "
           "gradient; stopping (lower the learning rate or check the rewards)")
     metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+    return metrics
+
+  def _skip(self, metrics: dict[str, float], episodes: int) -> dict[str, float]:
+    metrics = self._combine(metrics, episodes)
+    metrics["train/skipped_batch"] = 1.0
     return metrics
 
   @staticmethod
@@ -211,8 +220,30 @@ def _padding_batch(num_rows: int, length: int) -> TokenBatch:
                     returns=zeros(np.float32))
 
 
-def _drop_flat_groups(trajs: Sequence[Trajectory]) -> list[Trajectory]:
-  by_group: dict[int, list[Trajectory]] = {}
-  for t in trajs:
-    by_group.setdefault(t.metadata["group_id"], []).append(t)
-  return [t for g in by_group.values() if len({t.reward for t in g}) > 1 for t in g]
+def _drop_groups_without_signal(batch: TokenBatch, trajs: Sequence[Trajectory]
+                                ) -> tuple[TokenBatch, int, int]:
+  """Removes the rows of every group whose advantages are all exactly 0.
+
+  Such a group adds nothing to the policy gradient (its surrogate's
+  gradient is A x ratio-gradient = 0) but costs a forward and a backward.
+  The test is on the assigned advantages, not on the rewards: equal rewards
+  still carry per-turn signal under turn-level credit. Returns the kept rows
+  (compacted, the same width), how many trajectories they hold and how many
+  groups were dropped.
+  """
+  groups = np.asarray([t.metadata["group_id"] for t in trajs])
+  ids = batch.seq_ids
+  signal = np.zeros(len(trajs), bool)
+  np.logical_or.at(signal, ids[ids >= 0], batch.advantages[ids >= 0] != 0)
+  informative = {g for g, s in zip(groups, signal) if s}
+  keep_traj = np.asarray([g in informative for g in groups])
+  row_owner = ids.max(axis=1)
+  keep = (row_owner >= 0) & keep_traj[np.maximum(row_owner, 0)]
+  return (jax.tree.map(lambda x: x[keep], batch), int(keep_traj.sum()),
+          len(set(groups.tolist()) - informative))
+
+
+def _pad_rows(batch: TokenBatch, num_rows: int) -> TokenBatch:
+  """Appends padding rows up to `num_rows`."""
+  pad = _padding_batch(num_rows - batch.tokens.shape[0], batch.tokens.shape[1])
+  return jax.tree.map(lambda a, b: np.concatenate([a, b]), batch, pad)
