@@ -190,6 +190,12 @@ class RolloutEngine:
   def close(self):
     self._pool.shutdown(wait=True)
 
+  @property
+  def carried(self) -> int:
+    """Episodes carried over to the next call (unfinished, or waiting for
+    their group)."""
+    return len(self._carry) + len(self._finished)
+
   def warmup(self) -> None:
     """Compiles every sampler shape up front (see `Sampler.warmup`)."""
     if self._carry or self._finished:
@@ -201,15 +207,27 @@ class RolloutEngine:
   def run(self, tasks: Sequence[Task], group_size: int = 1, *,
           policy_version: int = 0, token_budget: int | None = None,
           expert: bool = False, temperature: float | None = None,
-          seed: int | None = None) -> RolloutResult:
+          seed: int | None = None, isolated: bool = False) -> RolloutResult:
     """Rolls out `group_size` episodes per task (plus carried-over ones).
 
     `temperature` overrides the configured one for this call (e.g. 0 for
     greedy evaluation). `seed` re-seeds the sampler's random stream, so a
     call's samples do not depend on what earlier calls drew (a resumed run
     then continues exactly). Returns the trajectories of every group that
-    completed in this call.
+    completed in this call. `isolated`: run only these tasks, to the end,
+    and leave carried-over partial rollouts (and their slots) untouched for
+    the next call, e.g. an evaluation between training iterations.
     """
+    if isolated:
+      if token_budget is not None:
+        raise ValueError("an isolated run finishes its episodes: no token_budget")
+      stash, self._carry, self._finished = (self._carry, self._finished), [], []
+      version = self._version
+      try:
+        return self.run(tasks, group_size, policy_version=version or 0, expert=expert,
+                        temperature=temperature, seed=seed)
+      finally:
+        (self._carry, self._finished), self._version = stash, version
     if seed is not None and self._state is not None:
       self._state = self._state.replace(rng=jax.random.key(seed))
     self._temperature = self.config.temperature if temperature is None else temperature
@@ -543,6 +561,8 @@ class RolloutEngine:
             "stop_reasons": ep.stop_reasons, "policy_versions": ep.versions,
             "reward_parts": dict(ep.parts), "env_time": ep.env_time,
             "truncation": ep.truncation,
+            # Policy versions between the oldest turn and the update it feeds.
+            "staleness": (self._version - min(ep.versions)) if ep.versions else 0,
             "success": bool(ep.terminated and ep.parts.get("outcome", 0.0) > 0),
         })
 
@@ -564,6 +584,7 @@ class _Stats:
   def summary(self, trajs: list[Trajectory]) -> dict[str, float]:
     n = max(len(trajs), 1)
     turns = [t.metadata["n_turns"] for t in trajs] or [0]
+    stale = [t.metadata["staleness"] for t in trajs] or [0]
     calls = sum(t.metadata["tool_calls"] for t in trajs)
     return {
         "episodes": float(len(trajs)),
@@ -577,6 +598,7 @@ class _Stats:
         "reward_mean": float(np.mean([t.reward for t in trajs] or [0.0])),
         "tool_calls_per_turn": calls / max(sum(turns), 1),
         "tool_error_rate": sum(t.metadata["tool_errors"] for t in trajs) / max(calls, 1),
+        "staleness_mean": float(np.mean(stale)), "staleness_max": float(np.max(stale)),
         "env_wait_s": self.env_wait, "generation_s": self.generation,
         "slot_occupancy": self.occupancy / max(self.decode_calls, 1),
     }

@@ -98,21 +98,24 @@ def test_curriculum_pool():
     rl.curriculum_pool(tasks, ((0, (2,)),), 0)
 
 
-def _one_iteration(rollout_kw, rl_kw, loss_kw=None, value_head=False):
-  """One RL iteration of a random tiny policy on 2 tasks x 2 rollouts."""
+def _trainer(rollout_kw, rl_kw, loss_kw=None, value_head=False, env=LookupEnv):
+  """An RL trainer of a random tiny policy on 2 tasks x 2 rollouts."""
   model = models.Decoder(models.tiny_config("llama", value_head=value_head),
                          rngs=nnx.Rngs(0))
   sampler = Sampler(model, num_slots=16, cache_length=128, max_decode_length=8,
                     length_buckets=(16, 64))
-  engine = RolloutEngine(LookupEnv, T.load_tokenizer(), T.CHATML, sampler,
+  engine = RolloutEngine(env, T.load_tokenizer(), T.CHATML, sampler,
                          RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True,
                                        **rollout_kw))
   tx = optax.adam(1e-4)
   graphdef, state = train.init_train_state(model, tx, with_reference=False)
-  trainer = rl.RLTrainer(
+  return rl.RLTrainer(
       engine, train.RLStep(graphdef, tx, train.LossConfig(**(loss_kw or {}))), state,
       rl.RLConfig(group_size=2, tasks_per_iteration=2, buckets=(128,), **rl_kw), seed=0)
-  return trainer.iteration(LookupEnv.tasks("train", 2, 0), 1)
+
+
+def _one_iteration(*args, **kwargs):
+  return _trainer(*args, **kwargs).iteration(LookupEnv.tasks("train", 2, 0), 1)
 
 
 def test_rl_iteration_with_a_sliding_window_trains_every_action_once():
@@ -142,17 +145,7 @@ class _ShapedEnv(LookupEnv):
 
 
 def _filtered_iteration(credit):
-  model = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0))
-  sampler = Sampler(model, num_slots=16, cache_length=128, max_decode_length=8,
-                    length_buckets=(16, 64))
-  engine = RolloutEngine(_ShapedEnv, T.load_tokenizer(), T.CHATML, sampler,
-                         RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True))
-  tx = optax.adam(1e-4)
-  graphdef, state = train.init_train_state(model, tx, with_reference=False)
-  trainer = rl.RLTrainer(
-      engine, train.RLStep(graphdef, tx, train.LossConfig()), state,
-      rl.RLConfig(group_size=2, tasks_per_iteration=2, buckets=(128,), credit=credit,
-                  filter_zero_variance=True), seed=0)
+  trainer = _trainer({}, {"credit": credit, "filter_zero_variance": True}, env=_ShapedEnv)
   return trainer.iteration(LookupEnv.tasks("train", 2, 0), 1)
 
 
@@ -166,3 +159,25 @@ def test_filtering_drops_only_groups_whose_advantages_are_all_zero():
   m = _filtered_iteration("turn_returns")
   assert m["rollout/kept_frac"] == 1.0 and m["rollout/dropped_groups"] == 0.0
   assert "train/skipped_batch" not in m and m["train/batch_tokens"] > 0
+
+
+def test_partial_rollouts_in_the_rl_loop():
+  # 12 sampled tokens per iteration cannot finish 4 rambling episodes of up
+  # to 3 x 8 tokens: they carry over and finish under later policy versions.
+  trainer = _trainer({}, {"token_budget": 12})
+  tasks = LookupEnv.tasks("train", 8, 0)
+  history = []
+  for it in range(6):
+    m = trainer.iteration(tasks[2 * it:2 * it + 2], it + 1)
+    history.append(m)
+    carried = trainer.engine.carried
+    # An evaluation in between runs its own episodes and leaves those alone.
+    rl.evaluate(trainer.engine, LookupEnv.tasks("test", 2, 0))
+    assert trainer.engine.carried == carried == m["rollout/carried_episodes"]
+  assert history[0]["train/skipped_batch"] == 1.0  # no group finished yet
+  trained = [m for m in history if "train/loss" in m]
+  assert trained and all(m["train/skipped_updates"] == 0 for m in trained)
+  assert max(m["rollout/staleness_max"] for m in trained) >= 1
+  assert sum(m["rollout/episodes"] for m in history) >= 8
+  with pytest.raises(ValueError, match="partial rollouts"):
+    _trainer({}, {"token_budget": 12, "credit": "branching"})

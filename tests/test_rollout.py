@@ -5,6 +5,7 @@ import threading
 import time
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -234,24 +235,48 @@ def test_lockstep_runs_are_reproducible(tok, sampler):
 
 
 def test_partial_rollouts_carry_over_and_reprefill(tok, model, sampler):
+  # Version 0 samples with the model's weights, every later version with
+  # perturbed ones: a carried episode whose cache was not rebuilt after the
+  # change would sample its later turns from stale keys and values.
+  graphdef, params = nnx.split(model)
+  other = nnx.merge(graphdef, jax.tree.map(
+      lambda x: x + 0.05 * jax.random.normal(jax.random.key(7), x.shape, x.dtype), params))
   engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
                          RolloutConfig(max_turns=4, max_action_tokens=8))
-  first = engine.run(_tasks(2, steps=(4,)), group_size=2, token_budget=8,
-                     policy_version=0)
-  assert first.trajectories == []  # nobody can finish 4 turns on 8 tokens
-  seen = []
-  for version in (1, 2, 3, 4, 5):
-    seen += engine.run([], policy_version=version).trajectories
-    if len(seen) == 4:
-      break
+  try:
+    first = engine.run(_tasks(2, steps=(4,)), group_size=2, token_budget=8,
+                       policy_version=0)
+    assert first.trajectories == []  # nobody can finish 4 turns on 8 tokens
+    sampler.update_params(other)
+    seen, returned_at = [], []
+    for version in (1, 2, 3, 4, 5):
+      got = engine.run([], policy_version=version).trajectories
+      seen, returned_at = seen + got, returned_at + [version] * len(got)
+      if len(seen) == 4:
+        break
+  finally:
+    sampler.update_params(model)
   assert len(seen) == 4
   versions = [t.metadata["policy_versions"] for t in seen]
   assert all(len(v) == 4 and v == sorted(v) for v in versions)
   assert any(v[0] == 0 for v in versions), "the budget cut a version-0 episode"
   assert any(len(set(v)) > 1 for v in versions), "episodes span policy versions"
-  # After the weight change the carried episodes were re-prefilled: the
-  # current model re-scores them exactly (same weights here, new cache).
-  _assert_rescored(model, collate(seen, buckets=(256,)))
+  # Staleness: the version being trained now minus the oldest that sampled it.
+  assert [t.metadata["staleness"] for t in seen] == [
+      now - v[0] for now, v in zip(returned_at, versions)]
+  # Each turn re-scores exactly under the weights of the version that sampled
+  # it: after the change the carried episodes were re-prefilled.
+  batch = collate(seen, buckets=(256,))
+  turn_version = np.full(batch.tokens.shape, -1)
+  for i, v in enumerate(versions):
+    for k, version in enumerate(v):
+      turn_version[(batch.seq_ids == i) & (batch.turn_index == k)] = version
+  for m, on in ((model, turn_version == 0), (other, turn_version > 0)):
+    logits = m(jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+               jnp.asarray(batch.seq_ids))
+    lp = np.asarray(losses.token_logprobs(logits, jnp.asarray(batch.tokens)))
+    assert on.any()
+    np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
 
 
 @pytest.fixture(scope="module")

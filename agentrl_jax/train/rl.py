@@ -46,8 +46,9 @@ from agentrl_jax.trajectory import TokenBatch, Trajectory, bucket_length, collat
 
 # Rollout metrics that add up over processes, and those whose maximum counts.
 _SUMS = ("rollout/episodes", "rollout/env_steps", "rollout/branch_episodes",
-         "rollout/dropped_groups", "train/batch_tokens")
-_MAXIMA = ("rollout/turns_max", "rollout/env_wait_s", "rollout/generation_s")
+         "rollout/dropped_groups", "rollout/carried_episodes", "train/batch_tokens")
+_MAXIMA = ("rollout/turns_max", "rollout/staleness_max", "rollout/env_wait_s",
+           "rollout/generation_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,12 @@ class RLConfig:
   lam: float = 0.95
   filter_zero_variance: bool = False
   branch_size: int = 2  # continuations per intermediate state ("branching")
+  # Partial rollouts: stop generating once an iteration sampled this many
+  # tokens; unfinished episodes continue in the next iteration (re-prefilled
+  # under the new weights; `staleness` per trajectory). None: every episode
+  # finishes in its iteration. Carried episodes are not checkpointed: a
+  # resumed run starts without them.
+  token_budget: int | None = None
   buckets: tuple[int, ...] = (256, 512, 1024, 2048)
   max_bad_steps: int = 5
 
@@ -92,7 +99,7 @@ def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
   each runs its share of `tasks` and every one returns the overall result.
   """
   result = engine.run(distributed.task_share(tasks), samples, temperature=temperature,
-                      seed=seed)
+                      seed=seed, isolated=True)
   m = result.metrics
   return distributed.combine(
       {"success": m["success_frac"], "reward": m["reward_mean"],
@@ -110,6 +117,9 @@ class RLTrainer:
     if cfg.tasks_per_iteration % jax.process_count():
       raise ValueError(f"tasks_per_iteration={cfg.tasks_per_iteration} must divide by "
                        f"the {jax.process_count()} processes")
+    if cfg.token_budget is not None and cfg.credit == "branching":
+      raise ValueError("branching replays finished episodes of this iteration's tasks; "
+                       "it cannot run with partial rollouts (token_budget)")
     self._rows = None if step.mesh is None else sharding.batch_sharding(step.mesh)
     if cfg.credit == "gae":
       # Values come back row-sharded: each process reads its own rows.
@@ -123,10 +133,13 @@ class RLTrainer:
     # Each process samples its own stream (the same one with one process).
     seed = self.seed * 1_000_003 + it + 7919 * jax.process_index()
     result = self.engine.run(distributed.task_share(tasks), cfg.group_size,
-                             policy_version=it, seed=seed % 2**31)
+                             policy_version=it, seed=seed % 2**31,
+                             token_budget=cfg.token_budget)
     trajs = result.trajectories
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
     metrics["rollout/env_steps"] = float(sum(t.num_turns for t in trajs))
+    if cfg.token_budget is not None:
+      metrics["rollout/carried_episodes"] = float(self.engine.carried)
     # Static shapes, the same on every process: rows for the most views any
     # process holds (a multiple of its share of tasks x G, so the step sees
     # few shapes), the bucket of the longest sequence of any process.

@@ -64,5 +64,7 @@ def get_config():
   c.rl = ml_collections.ConfigDict(dict(
       group_size=8, tasks_per_iteration=8, credit="grpo", gamma=1.0, lam=0.95,
       filter_zero_variance=False, branch_size=2, buckets=(128, 256, 512, 768),
-      max_bad_steps=5))
+      max_bad_steps=5,
+      # Partial rollouts: sampled tokens per iteration; None: episodes finish.
+      token_budget=ml_collections.FieldReference(None, field_type=int)))
   return c
