@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from agentrl_jax import checkpointing, metrics, train  # pylint: disable=wrong-import-position
-from agentrl_jax.train import credit, rl  # pylint: disable=wrong-import-position
+from agentrl_jax.train import credit, presets, rl  # pylint: disable=wrong-import-position
 from agentrl_jax.trajectory import collate, turn_arrays  # pylint: disable=wrong-import-position
 from configs import frozen_lake_turn_credit  # pylint: disable=wrong-import-position
 import train_agent  # pylint: disable=wrong-import-position
@@ -56,6 +56,8 @@ SIZES = {
 
 def config(scheme: str, seed: int, size: str):
   cfg = frozen_lake_turn_credit.get_config(scheme)
+  if scheme in presets.PRESETS:  # the arm is the named algorithm, not just its estimator
+    cfg.algorithm = scheme
   cfg.seed = seed
   cfg.model.value_head = True
   # Whole-cache decode, as when the committed notebook ran (see default.py).

@@ -42,7 +42,7 @@ from agentrl_jax import checkpointing, distributed, envs, metrics, models, shard
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
-from agentrl_jax.train import rl, sft
+from agentrl_jax.train import presets, rl, sft
 import plot_curves
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/default.py")
@@ -125,6 +125,10 @@ def run(cfg, workdir) -> dict | None:
                            cfg.mesh.process_id)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   primary = distributed.is_primary()
+  if cfg.algorithm:  # a named algorithm fixes credit, aggregation, normaliser, filtering
+    presets.apply(cfg, cfg.algorithm)
+    if primary:
+      print(presets.describe(cfg.algorithm, cfg))
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if primary:

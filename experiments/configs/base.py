@@ -11,6 +11,10 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # A named algorithm (agentrl_jax.train.presets: grpo, drgrpo, dapo) sets
+  # rl.credit, loss.agg, loss.norm_constant, rl.filter_zero_variance and the
+  # clip range as its paper does; "" keeps the fields below as they are.
+  c.algorithm = ""
   c.iterations = 60
   c.eval_every = 10  # greedy held-out success every k iterations
   # Also after SFT and at the end: success at temperature 1 (what RL

@@ -1,0 +1,79 @@
+"""Named algorithms: what "GRPO", "Dr.GRPO" or "DAPO" mean, in one place.
+
+An algorithm is more than its advantage estimator: the loss aggregation,
+the normaliser and the filtering change what it optimises. A preset fixes
+all four, as its paper does, so an ablation arm named "drgrpo" is Dr.GRPO
+and not GRPO without the std:
+
+  grpo    group-relative advantages with the population std (the reference
+          text's choice; TRL and veRL use the unbiased one, sqrt(G / (G-1))
+          larger), seq-mean-token-mean (every trajectory weighs the same),
+          no filtering. Shao et al. 2024 (DeepSeekMath), eq. 3.
+  drgrpo  r - mean, no std; seq-mean-token-sum-norm with a fixed constant,
+          the episode's token budget (max_turns x max_action_tokens), so no
+          length-dependent scaling remains. Liu et al. 2025 ("Understanding
+          R1-Zero-like training"), sec. 3.
+  dapo    group-relative with the std; token-mean (every token weighs the
+          same); groups without signal dropped; clip-higher (0.2 / 0.28).
+          Yu et al. 2025. DAPO's dynamic sampling refills the batch from
+          extra rollouts; until the loop can, this preset only drops.
+
+`apply(cfg, name)` writes a preset into an experiment config
+(`cfg.rl`, `cfg.loss`, `cfg.rollout`); `describe(name)` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  credit: str  # advantage estimator (`credit.CREDIT_SCHEMES`)
+  agg: str  # loss aggregation mode (`losses.LOSS_AGG_MODES`)
+  norm: str | None  # "token_budget": C = max_turns x max_action_tokens; None: no C
+  filter_zero_variance: bool
+  clip: tuple[float, float]  # (clip_low, clip_high)
+  source: str
+
+
+PRESETS = {
+    "grpo": Preset("grpo", "seq-mean-token-mean", None, False, (0.2, 0.2),
+                   "Shao et al. 2024; population std"),
+    "drgrpo": Preset("drgrpo", "seq-mean-token-sum-norm", "token_budget", False, (0.2, 0.2),
+                     "Liu et al. 2025; no std, fixed normaliser"),
+    "dapo": Preset("grpo", "token-mean", None, True, (0.2, 0.28),
+                   "Yu et al. 2025; filtering without refill"),
+}
+
+
+def _get(name: str) -> Preset:
+  if name not in PRESETS:
+    raise ValueError(f"unknown algorithm preset {name!r}; known: {tuple(PRESETS)}")
+  return PRESETS[name]
+
+
+def norm_constant(name: str, cfg) -> float | None:
+  """The preset's fixed normaliser C for this config (None if it has none)."""
+  if _get(name).norm is None:
+    return None
+  return float(cfg.rollout.max_turns * cfg.rollout.max_action_tokens)
+
+
+def apply(cfg, name: str):
+  """Sets credit, aggregation, normaliser, filtering and clipping; returns cfg."""
+  p = _get(name)
+  cfg.rl.credit = p.credit
+  cfg.rl.filter_zero_variance = p.filter_zero_variance
+  cfg.loss.agg = p.agg
+  cfg.loss.norm_constant = norm_constant(name, cfg)
+  cfg.loss.clip_low, cfg.loss.clip_high = p.clip
+  return cfg
+
+
+def describe(name: str, cfg=None) -> str:
+  """One line per setting, e.g. for a notebook cell or a run's log."""
+  p = _get(name)
+  c = norm_constant(name, cfg) if cfg is not None else p.norm
+  return (f"{name}: advantages={p.credit}, aggregation={p.agg}, normaliser C={c}, "
+          f"filter_zero_variance={p.filter_zero_variance}, clip={p.clip} ({p.source})")
