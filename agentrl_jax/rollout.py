@@ -449,10 +449,7 @@ class RolloutEngine:
         mismatch(f"observation after turn {k}")
       if k < len(ep.rewards_check) and result.reward != ep.rewards_check[k]:
         mismatch(f"reward at turn {k}")
-      ep.rewards.append(result.reward)
-      ep.parts.update(result.info.get("reward_parts", {}))
-      ep.tool_calls += bool(result.info.get("tool_call"))
-      ep.tool_errors += bool(result.info.get("tool_error"))
+      _count_step(ep, result)
     ep.segments = list(ep.replay)
     ep.context_starts = [ep.context_start] * len(replayed.steps)
     ep.pending = [t for s in ep.segments for t in s.token_ids]
@@ -472,10 +469,7 @@ class RolloutEngine:
       else:
         ep.pending = prompt
       return
-    ep.rewards.append(result.reward)
-    ep.parts.update(result.info.get("reward_parts", {}))
-    ep.tool_calls += bool(result.info.get("tool_call"))
-    ep.tool_errors += bool(result.info.get("tool_error"))
+    _count_step(ep, result)
     if result.terminated:
       ep.finish(terminated=True)
       return
@@ -565,6 +559,14 @@ class RolloutEngine:
             "staleness": (self._version - min(ep.versions)) if ep.versions else 0,
             "success": bool(ep.terminated and ep.parts.get("outcome", 0.0) > 0),
         })
+
+
+def _count_step(ep: _Episode, result: StepResult) -> None:
+  """Adds a step's reward, reward parts and tool counters to its episode."""
+  ep.rewards.append(result.reward)
+  ep.parts.update(result.info.get("reward_parts", {}))
+  ep.tool_calls += bool(result.info.get("tool_call"))
+  ep.tool_errors += bool(result.info.get("tool_error"))
 
 
 @dataclasses.dataclass

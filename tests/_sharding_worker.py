@@ -64,9 +64,8 @@ def rl_step_matches_single_device():
   assert trace.sharding == q.sharding
   # Hot path: a placed batch in, metrics left on device: no host transfer.
   batch = sharding.shard(batches[0], sharding.batch_sharding(mesh))
-  rng = jax.random.key(0)
   with jax.transfer_guard("disallow"):
-    state8, m = step8(state8, batch, rng)
+    state8, m = step8(state8, batch)
   assert m["loss"].sharding.is_fully_replicated
 
 
