@@ -216,7 +216,7 @@ def test_accumulation_is_exact_when_views_split_across_micro_batches(model, agg)
   np.testing.assert_allclose(metrics["loss"], loss_fn(params), rtol=1e-6)
   want = jax.grad(loss_fn)(params)
   scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
-  for micro in (1, 2, 4, 8):
+  for micro in (2, 8):
     _, split, m2, _ = _run(model, train.LossConfig(**base, micro_batches=micro), batch,
                            tx=_CAPTURE)
     np.testing.assert_allclose(m2["loss"], metrics["loss"], rtol=1e-6)
