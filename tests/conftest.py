@@ -3,6 +3,7 @@
 import pytest
 
 from agentrl_jax import tokenizer as T
+from agentrl_jax.envs import EPISODE_OVER
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,3 +33,12 @@ def seam_split(tok) -> tuple[str, str]:
       if T.encode(tok, head) + T.encode(tok, tail) != T.encode(tok, head + tail):
         return head, tail
   raise AssertionError("no merging seam in this vocabulary")
+
+
+def assert_stays_over(env, actions):
+  """Steps after the end: the fixed observation, reward 0, still terminated."""
+  for action in actions:
+    after = env.step(action)
+    assert (after.observation, after.reward, after.terminated, after.truncated) == (
+        EPISODE_OVER, 0.0, True, False)
+    assert after.info["after_end"] and set(after.info["reward_parts"].values()) == {0.0}

@@ -1,7 +1,12 @@
 """The environment contract, adapters and registry (on a toy environment)."""
 
+import re
+import time
+
 import gymnasium
 from gymnasium.utils.env_checker import check_env
+import hypothesis
+from hypothesis import strategies as st
 import pytest
 
 from agentrl_jax import envs
@@ -65,9 +70,15 @@ def test_turn_budget_truncates_never_terminates():
   assert not env.step("<guess>0</guess>").truncated
   r = env.step("<guess>1</guess>")
   assert r.truncated and not r.terminated and r.info["turns"] == 2
+  after = env.step("<guess>4</guess>")  # truncated stays truncated, pays nothing
+  assert (after.observation, after.reward, after.terminated, after.truncated) == (
+      envs.EPISODE_OVER, 0.0, False, True)
   env.reset(TASKS[4])  # the budget restarts with the episode
   r = env.step("<guess>4</guess>")
   assert r.terminated and not r.truncated
+  after = env.step("<guess>4</guess>")
+  assert (after.observation, after.reward, after.terminated, after.truncated) == (
+      envs.EPISODE_OVER, 0.0, True, False)
   assert env.stop_strings == ("</guess>",)  # attributes pass through
 
 
@@ -131,3 +142,48 @@ def test_registry():
     envs.registry._REGISTRY.pop("guess_test")
   with pytest.raises(ValueError, match="registered: \\('calculator'"):
     envs.make("chess")
+
+
+def _tool_call_by_regex(action):
+  """The backtracking regexes `tool_call` replaced: fine on short text."""
+  text = re.sub(r"<think>.*?</think>", "", action, flags=re.DOTALL)
+  match = re.search(r"<(\w+)>(.*?)</\1>", text, flags=re.DOTALL)
+  return (match.group(1), match.group(2)) if match else None
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from(
+    ["<a>", "</a>", "<b>", "</b>", "<think>", "</think>", "<ab>", "</ab>", "<", ">",
+     "/", "x", " ", "\n", "<é>", "</é>", "<a", "a>"]), max_size=14).map("".join))
+def test_tool_call_matches_the_regex_definition(action):
+  assert envs.tool_call(action) == _tool_call_by_regex(action)
+
+
+def test_tool_call_cases():
+  assert envs.tool_call("<think><move>up</move></think><move>down</move>") == ("move", "down")
+  assert envs.tool_call("<think>x<move>up</move>") == ("move", "up")  # unclosed think
+  assert envs.tool_call("<a><b>1</b></a>") == ("a", "<b>1</b>")
+  assert envs.tool_call("<a>1</b> <b>2</b>") == ("b", "2")
+  assert envs.tool_call("<a></a>") == ("a", "")
+  assert envs.tool_call("<a>1") is None
+
+
+@pytest.mark.parametrize("unit", ["<a>", "<think>", "<think></think><a>", "<a", "<<a>>"])
+def test_tool_call_is_fast_on_unclosed_tags(unit):
+  hostile = unit * (2**20 // len(unit))  # 1 MB
+  distinct = "".join(f"<t{i}>" for i in range(2**20 // 9))  # as many names as tags
+  for text in (hostile, distinct, "<think>" + hostile):
+    t0 = time.thread_time()  # CPU time of this thread: holds on a loaded machine
+    assert envs.tool_call(text) is None
+    # Measured here: 2-70 ms. The backtracking regexes took about an hour.
+    assert time.thread_time() - t0 < 0.1
+
+
+def test_tool_call_is_linear_on_closed_tags():
+  for text in ("</a><a>" * (2**20 // 7),  # every opening after a closing of its name
+               "".join(f"</t{i}>" for i in range(2**16)) + "".join(
+                   f"<t{i}>" for i in range(2**16)),
+               "<a>" * (2**20 // 3) + "</a>"):
+    t0 = time.thread_time()
+    envs.tool_call(text)
+    assert time.thread_time() - t0 < 1.0  # measured 0.1-0.2 s; quadratic: hours

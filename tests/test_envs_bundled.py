@@ -2,6 +2,9 @@
 
 import pytest
 
+from agentrl_jax import envs
+from conftest import assert_stays_over
+
 from agentrl_jax.envs.base import REWARD_PARTS, Task
 from agentrl_jax.envs.calculator import CalcError, CalculatorEnv, format_number, safe_eval
 from agentrl_jax.envs.frozen_lake import FrozenLakeEnv
@@ -60,6 +63,18 @@ def test_expert_solves_test_tasks(cls):
     assert results[-1].terminated and results[-1].info["reward_parts"]["outcome"] == 1.0
     assert all(a.endswith(cls.stop_strings) for a in actions)
     assert not any(r.info.get("malformed") or r.info["tool_error"] for r in results)
+
+
+@pytest.mark.parametrize("cls", ENVS)
+def test_terminal_means_terminal(cls):
+  task = cls.tasks("test", 1, 0)[0]
+  env, expert, actions = cls(step_cost=0.1), cls.expert(task), []
+  _, results = rollout(env, task, lambda obs: actions.append(expert(obs)) or actions[-1])
+  assert results[-1].terminated and results[-1].info["reward_parts"]["outcome"] == 1.0
+  # The winning action again (it paid the outcome once), then anything.
+  assert_stays_over(env, [actions[-1], "garbage", "<answer>x</answer>"])
+  env.reset(task)  # a reset reopens the instance for a new episode
+  assert env.step(actions[0]).observation != envs.EPISODE_OVER
 
 
 @pytest.mark.parametrize("cls", ENVS)

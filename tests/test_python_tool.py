@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from conftest import assert_stays_over
+
 from agentrl_jax.envs.python_tool import _KINDS, NUM_CASES, PythonToolEnv
 from agentrl_jax.envs.sandbox import Sandbox
 
@@ -81,6 +83,14 @@ def test_expert_solves_test_tasks_and_one_of_each_kind():
     assert results[0].observation.startswith("stdout:\n") and not results[0].terminated
     assert results[-1].terminated and results[-1].reward == 1.0, (t.prompt, results[-1])
     assert results[-1].observation == f"All {NUM_CASES} hidden tests passed."
+
+
+def test_terminal_means_terminal(task):
+  env = PythonToolEnv(sandbox=FAST)
+  results = play(env, task, PythonToolEnv.expert(task))
+  assert results[-1].terminated and results[-1].reward == 1.0
+  submit = f"<submit>{task.data['solution']}</submit>"
+  assert_stays_over(env, [submit, "<python>print(1)</python>", "garbage"])
 
 
 def test_wrong_and_partly_right_submissions(task):

@@ -7,7 +7,7 @@ Model-written code runs only in `sandbox.Sandbox`.
 
 from agentrl_jax.envs.adapters import FromGymnasium, SeedStyle, TurnBudget, as_gymnasium
 from agentrl_jax.envs.base import (
-    REWARD_PARTS, Environment, Expert, StepResult, Task, TextEnvironment,
-    reward_parts)
+    EPISODE_OVER, REWARD_PARTS, Environment, Expert, StepResult, Task, TextEnvironment,
+    reward_parts, strip_think, tool_call)
 from agentrl_jax.envs.registry import env_class, make, register, registered
 from agentrl_jax.envs.sandbox import Sandbox, SandboxResult

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import gymnasium
 import numpy as np
 
-from agentrl_jax.envs.base import Environment, StepResult, Task
+from agentrl_jax.envs.base import EPISODE_OVER, Environment, StepResult, Task
 
 _CHARSET = frozenset(string.printable)
 
@@ -42,21 +42,27 @@ class TurnBudget:
     if max_turns < 1:
       raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     self.env, self.max_turns, self.turns = env, max_turns, 0
+    self.ended: tuple[bool, bool] | None = None  # (terminated, truncated) once over
 
   def __getattr__(self, name):  # system_prompt, stop_strings, tasks, ...
     return getattr(self.env, name)
 
   def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
-    self.turns = 0
+    self.turns, self.ended = 0, None
     return self.env.reset(task)
 
   def step(self, action: str) -> StepResult:
+    if self.ended is not None:  # terminal means terminal (see base.py)
+      return StepResult(EPISODE_OVER, 0.0, *self.ended,
+                        {"after_end": True, "turns": self.turns})
     result = self.env.step(action)
     self.turns += 1
     out_of_turns = not result.terminated and self.turns >= self.max_turns
-    return StepResult(result.observation, result.reward, result.terminated,
-                      result.truncated or out_of_turns,
-                      {**result.info, "turns": self.turns})
+    out = StepResult(result.observation, result.reward, result.terminated,
+                     result.truncated or out_of_turns, {**result.info, "turns": self.turns})
+    if out.terminated or out.truncated:
+      self.ended = (out.terminated, out.truncated)
+    return out
 
   def close(self) -> None:
     self.env.close()

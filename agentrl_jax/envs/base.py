@@ -14,6 +14,8 @@
   `TextEnvironment.step` enforces that for every bundled environment.
 - Rewards are composed from named parts (`REWARD_PARTS`), reported in
   `info["reward_parts"]` every step; the step reward is their sum.
+- Terminal means terminal: a step after `terminated` (or `truncated`)
+  returns `EPISODE_OVER`, reward 0 and the same flag, and changes nothing.
 - Isolation (convention 6): one instance per episode; `reset` must fully
   reset whatever state the instance holds.
 """
@@ -29,8 +31,9 @@ import traceback
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 REWARD_PARTS = ("outcome", "format", "cost", "process")
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_TOOL = re.compile(r"<(\w+)>(.*?)</\1>", re.DOTALL)
+EPISODE_OVER = "The episode is over."  # the observation of any step after the end
+_OPEN = re.compile(r"<(\w+)>")
+_CLOSE = re.compile(r"</(\w+)>")
 
 
 def hashed_split(key: str) -> tuple[str, str]:
@@ -40,10 +43,38 @@ def hashed_split(key: str) -> tuple[str, str]:
   return ("test" if int(digest, 16) % 5 == 0 else "train"), digest
 
 
+def strip_think(text: str) -> str:
+  """`text` without its `<think>...</think>` blocks (each up to its first
+  closing tag; an unclosed `<think>` stays). Linear time: `str.find` scans,
+  no backtracking regex over the model's unbounded output."""
+  out, pos = [], 0
+  while (start := text.find("<think>", pos)) >= 0:
+    end = text.find("</think>", start + 7)
+    if end < 0:
+      break
+    out.append(text[pos:start])
+    pos = end + 8
+  out.append(text[pos:])
+  return "".join(out)
+
+
 def tool_call(action: str) -> tuple[str, str] | None:
-  """(tag, raw body) of the first `<tag>body</tag>` outside <think> blocks."""
-  match = _TOOL.search(_THINK.sub("", action))
-  return (match.group(1), match.group(2)) if match else None
+  """(tag, raw body) of the first `<tag>body</tag>` outside <think> blocks.
+
+  The first opening tag with a closing tag of its name after it; the body
+  runs to the first such closing. Linear time: one pass records each name's
+  last closing, one pass over the openings looks it up, so hostile text (a
+  megabyte of unclosed or distinct tags) never meets the quadratic
+  backtracking of `<(\w+)>(.*?)</\1>`.
+  """
+  text = strip_think(action)
+  last_close = {match.group(1): match.start() for match in _CLOSE.finditer(text)}
+  if last_close:
+    for match in _OPEN.finditer(text):
+      name, end = match.group(1), match.end()
+      if last_close.get(name, -1) >= end:
+        return name, text[end:text.find(f"</{name}>", end)]
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +151,19 @@ class TextEnvironment(abc.ABC):
     self.step_cost = step_cost
     self.task: Task | None = None
     self.turns = 0
+    self.ended = False  # terminated: later steps get `EPISODE_OVER`
 
   def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
-    self.task, self.turns = task, 0
+    self.task, self.turns, self.ended = task, 0, False
     return self._reset(task), {"task_id": task.task_id}
 
   def step(self, action: str) -> StepResult:
     if self.task is None:
       raise RuntimeError("call reset(task) before step(action)")
+    if self.ended:  # never pays the outcome again, never reopens
+      return StepResult(EPISODE_OVER, 0.0, True, False, {
+          "tool_call": False, "tool_error": False, "after_end": True,
+          "reward_parts": reward_parts(), "turn": self.turns})
     self.turns += 1
     try:
       observation, parts, terminated, info = self._step(action)
@@ -142,7 +178,8 @@ class TextEnvironment(abc.ABC):
     parts = reward_parts(**parts)
     info = {"tool_call": False, "tool_error": False, **info, "reward_parts": parts,
             "turn": self.turns}
-    return StepResult(observation, sum(parts.values()), bool(terminated), False, info)
+    self.ended = bool(terminated)
+    return StepResult(observation, sum(parts.values()), self.ended, False, info)
 
   def close(self) -> None:
     self.task = None

@@ -122,12 +122,9 @@ class FrozenLakeEnv(TextEnvironment):
     self._dist = _distances(self._desc)
     self._gym = frozen_lake.FrozenLakeEnv(desc=list(self._desc), is_slippery=self.is_slippery)
     self._state, _ = self._gym.reset(seed=task.data["env_seed"])
-    self._done = False
     return f"{task.prompt}\n\n{self._render()}"
 
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
-    if self._done:
-      return "The episode is over.", {}, True, {}
     call = tool_call(action)
     rejected = self.reject(call, ("move",), _USAGE)
     if rejected:
@@ -139,7 +136,6 @@ class FrozenLakeEnv(TextEnvironment):
     move, before = MOVES.index(word), self._cell()
     self._state, reward, terminated, _, _ = self._gym.step(move)
     after = self._cell()
-    self._done = terminated
     parts = {"outcome": float(reward)}
     if after in self._dist:  # not a hole
       parts["process"] = self.shaped_reward * (self._dist[before] - self._dist[after])
