@@ -12,14 +12,23 @@ keys of the same impl, so keys need no `key_data`/`wrap_key_data` round trip.
 Saves are asynchronous: `save` returns once the arrays are copied to host
 memory (so donating them to the next train step is safe) and the write to
 disk finishes in the background. `restore` and `close` wait for it first.
+
+A checkpoint that cannot be read (a truncated file after a crash or a full
+disk) raises `CorruptCheckpointError` naming its directory and the other
+steps on disk; `restore_latest` warns and takes the newest intact one.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+import warnings
 
 import orbax.checkpoint as ocp
+
+
+class CorruptCheckpointError(RuntimeError):
+  """A saved step that cannot be read back."""
 
 
 class Checkpointer:
@@ -64,10 +73,32 @@ class Checkpointer:
       step = self.latest_step()
       if step is None:
         raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        extra=ocp.args.JsonRestore()))
+    try:
+      restored = self._manager.restore(int(step), args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state),
+          extra=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      others = [s for s in self.all_steps() if s != step]
+      raise CorruptCheckpointError(
+          f"checkpoint {os.path.join(self.directory, str(step))} cannot be read "
+          f"({type(e).__name__}: {e}); other steps on disk: {others or 'none'} "
+          f"(restore(step=...) one, or restore_latest() takes the newest intact "
+          f"one)") from e
     return restored["state"], dict(restored["extra"])
+
+  def restore_latest(self, *, abstract_state: Any) -> tuple[int, Any, dict]:
+    """`(step, state, extra)` of the newest step that reads back; warns for
+    each newer one that does not. Raises FileNotFoundError with no steps,
+    CorruptCheckpointError when even the oldest does not read back."""
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    for step in reversed(steps[1:]):
+      try:
+        return (step, *self.restore(step, abstract_state=abstract_state))
+      except CorruptCheckpointError as e:
+        warnings.warn(f"{e}; trying the step before it", RuntimeWarning, stacklevel=2)
+    return (steps[0], *self.restore(steps[0], abstract_state=abstract_state))
 
   def wait(self) -> None:
     """Blocks until every save started so far is on disk."""

@@ -13,7 +13,15 @@ The loop (plain Python; only the sampler is jitted):
 Environment calls run concurrently in threads while the sampler keeps
 decoding for the episodes whose observations are back, so a slow tool does
 not idle the accelerator. Each episode gets its own environment instance
-from the factory (group members never share one).
+from the factory (group members never share one). Every call goes through
+`env_calls.EnvCaller`: a call past its deadline (`env_deadline_s`, or the
+environment's own `deadline_s`) ends its episode as truncated with stop
+reason "env_timeout"; an exception or a result outside the contract ends it
+with "env_error" and the error text in `metadata["env_error"]`. The other
+episodes go on, and the engine stays usable. An episode that failed before
+it had a prompt has no tokens: it is reported in `RolloutResult.failed`.
+Observations are cut by characters before they are tokenized, so a huge
+one costs bounded work.
 
 Each finished episode is recorded as a `Trajectory` whose ids are exactly
 what the sampler consumed and produced: SYSTEM = the prompt delta,
@@ -58,7 +66,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
-import functools
 import itertools
 import time
 from typing import Any, Callable, Sequence
@@ -66,12 +73,16 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from agentrl_jax import env_calls
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.envs.base import Environment, StepResult, Task
 from agentrl_jax.sampling import STOP_SEQUENCE, Sampler
 from agentrl_jax.trajectory import Role, Segment, Trajectory
 
-TRUNCATION_MARKER = " ...[truncated {} tokens]"
+TRUNCATION_MARKER = " ...[truncated {} characters]"
+# Observations are cut to this many characters per token of budget before
+# tokenizing (bounded work on a huge one); tokens are rarely this long.
+_CHARS_PER_TOKEN = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +94,10 @@ class RolloutConfig:
   top_k: int = 0
   top_p: float = 1.0
   env_workers: int = 16  # threads stepping environments concurrently
+  # Seconds a reset or step may take before its episode ends as
+  # "env_timeout" (None: wait forever); an environment's own `deadline_s`
+  # attribute takes precedence.
+  env_deadline_s: float | None = 60.0
   # Decode at most this many episodes per call (None: all that are ready).
   # Smaller calls let decoding of one cohort overlap the tool calls of
   # another when environments are slow: a tool call is hidden when the other
@@ -130,7 +145,8 @@ class _Episode:
   env_time: float = 0.0
   terminated: bool = False
   truncated: bool = False
-  truncation: str | None = None
+  stop_reason: str | None = None  # see `STOP_REASONS`
+  error: str | None = None  # the env_error / env_timeout text
   done: bool = False
 
   @property
@@ -143,15 +159,25 @@ class _Episode:
     """Tokens in the slot's cache once pending is fed."""
     return sum(len(s) for s in self.context)
 
-  def finish(self, *, terminated=False, truncated=False, reason=None):
-    self.terminated, self.truncated, self.truncation = terminated, truncated, reason
-    self.done = True
+  def finish(self, reason: str, error: str | None = None):
+    self.terminated, self.truncated = reason == "terminated", reason != "terminated"
+    self.stop_reason, self.error, self.done = reason, error, True
+
+
+# Why an episode ended (`metadata["stop_reason"]`): the task ended; the turn
+# budget, the environment's truncation or the context ran out; the
+# environment failed (see `env_calls`).
+STOP_REASONS = ("terminated", "max_turns", "env_truncated", "context",
+                env_calls.ENV_TIMEOUT, env_calls.ENV_ERROR)
 
 
 @dataclasses.dataclass
 class RolloutResult:
   trajectories: list[Trajectory]  # complete groups, group members adjacent
   metrics: dict[str, float]
+  # Episodes that failed before they had a prompt (reset timed out or
+  # failed): their task_id, group_id, stop_reason and env_error.
+  failed: list[dict] = dataclasses.field(default_factory=list)
 
 
 class RolloutEngine:
@@ -185,10 +211,16 @@ class RolloutEngine:
     self._group_ids = itertools.count()
     self._version: int | None = None
     self._ticks = itertools.count()  # orders collections and submission rounds
-    self._pool = cf.ThreadPoolExecutor(config.env_workers)
+    self._calls = env_calls.EnvCaller(config.env_workers)
 
   def close(self):
-    self._pool.shutdown(wait=True)
+    """Closes the environments' worker threads (never waits on a hung call)."""
+    self._calls.close()
+
+  @property
+  def abandoned_calls(self) -> int:
+    """Environment calls abandoned past their deadline (their threads hang on)."""
+    return self._calls.abandoned
 
   @property
   def carried(self) -> int:
@@ -249,13 +281,17 @@ class RolloutEngine:
           ep.pending = [t for s in ep.context for t in s.token_ids]
           ep.fresh = True
     self._version = policy_version
-    stats = _Stats(num_slots=self.sampler.num_slots if self.sampler else 0)
+    stats = _Stats(num_slots=self.sampler.num_slots if self.sampler else 0,
+                   abandoned=self._calls.abandoned)
     active = self._loop(self._carry + new, expert, token_budget, stats)
     self._carry = [ep for ep in active if not ep.done]
     self._finished += [ep for ep in active if ep.done]
     done = self._complete_groups()
-    trajectories = [self._record(ep) for ep in done]
-    return RolloutResult(trajectories, stats.summary(trajectories))
+    trajectories = [self._record(ep) for ep in done if ep.segments]
+    failed = [self._failure(ep) for ep in done if not ep.segments]
+    return RolloutResult(trajectories, stats.summary(
+        trajectories, failed, self._calls.drain_latencies(),
+        self._calls.abandoned - stats.abandoned), failed)
 
   def branch(self, points: Sequence[tuple[Task, Trajectory, int]], n: int, *,
              policy_version: int = 0, temperature: float | None = None,
@@ -307,7 +343,8 @@ class RolloutEngine:
     self._finished = self._loop(episodes, False, None, stats)
     by_group = collections.defaultdict(list)
     for ep in self._complete_groups():
-      by_group[ep.group].append(self._record(ep))
+      if ep.segments:  # (a replay whose env failed has none)
+        by_group[ep.group].append(self._record(ep))
     return [by_group[g] for g in group_of_point]
 
   def _complete_groups(self) -> list[_Episode]:
@@ -339,9 +376,12 @@ class RolloutEngine:
         ep.batch = batch
         ep.slot = -1 if expert else self._free.pop()
         running.append(ep)
-        setup = (functools.partial(self._replay, ep) if ep.replay is not None
-                 else ep.env.reset)
-        in_flight[self._pool.submit(self._timed, ep, setup, ep.task)] = ep
+        if ep.replay is not None:
+          call = self._call(ep, self._replay, ep, ep.task,
+                            calls=1 + len(ep.replay_actions))
+        else:
+          call = self._call(ep, ep.env.reset, ep.task, check=env_calls.checked_reset)
+        in_flight[call] = ep
       t0 = time.perf_counter()
       done = (cf.wait(in_flight)[0] if budget_spent  # no more decodes: finish the calls
               else self._gather(in_flight, len(self._ready(running))))
@@ -378,7 +418,7 @@ class RolloutEngine:
         ep.batch = batch
         generated += len(ids)
         text = self.tok.decode(ids)
-        in_flight[self._pool.submit(self._timed, ep, ep.env.step, text)] = ep
+        in_flight[self._call(ep, ep.env.step, text, check=env_calls.checked_step)] = ep
       budget_spent = token_budget is not None and generated >= token_budget
 
   @staticmethod
@@ -412,25 +452,18 @@ class RolloutEngine:
       done |= arrived
     return done
 
-  @staticmethod
-  def _timed(ep: _Episode, fn, arg):
-    t0 = time.perf_counter()
-    try:
-      return fn(arg)
-    except Exception as e:  # pylint: disable=broad-except
-      if fn != ep.env.step:  # a task that cannot start is a setup bug: raise
-        raise
-      # Errors are observations: one bad environment never kills the rollout.
-      return StepResult(f"Error: {type(e).__name__}: {e}", 0.0, False, False,
-                        {"tool_error": True})
-    finally:
-      ep.env_time += time.perf_counter() - t0
+  def _call(self, ep: _Episode, fn, *args, check=None, calls: int = 1) -> cf.Future:
+    """Submits an env call of `ep` under its deadline (`calls` of them in a row)."""
+    deadline = getattr(ep.env, "deadline_s", None) or self.config.env_deadline_s
+    return self._calls.submit(_timed, ep, fn, *args, check=check,
+                              deadline_s=None if deadline is None else deadline * calls)
 
   @staticmethod
   def _replay(ep: _Episode, task: Task) -> _Replayed:
     """Resets and replays the recorded actions (in the env's thread)."""
-    observation, _ = ep.env.reset(task)
-    return _Replayed(observation, [ep.env.step(a) for a in ep.replay_actions])
+    observation, _ = env_calls.checked_reset(ep.env.reset(task))
+    return _Replayed(observation, [env_calls.checked_step(ep.env.step(a))
+                                   for a in ep.replay_actions])
 
   def _collect_replay(self, ep: _Episode, replayed: _Replayed) -> None:
     """Checks the replay reproduced the recording, then queues the prefix."""
@@ -457,6 +490,11 @@ class RolloutEngine:
 
   def _collect(self, ep: _Episode, result) -> None:
     """An env call came back: queue its tokens or end the episode."""
+    if isinstance(result, env_calls.Failure):
+      ep.finish(result.reason, result.message)
+      actions = sum(s.role == Role.ASSISTANT for s in ep.segments)
+      ep.rewards += [0.0] * (actions - len(ep.rewards))  # the failed step paid nothing
+      return
     if isinstance(result, _Replayed):
       self._collect_replay(ep, result)
       return
@@ -465,13 +503,13 @@ class RolloutEngine:
       prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0])
       ep.segments.append(Segment(Role.SYSTEM, prompt))
       if len(prompt) + 1 > self.max_context:  # no room for a single action
-        ep.finish(truncated=True, reason="context")
+        ep.finish("context")
       else:
         ep.pending = prompt
       return
     _count_step(ep, result)
     if result.terminated:
-      ep.finish(terminated=True)
+      ep.finish("terminated")
       return
     ep.observation = self._clip_observation(result.observation)
     delta = self.fmt.observation_ids(self.tok, ep.observation,
@@ -482,7 +520,7 @@ class RolloutEngine:
       # value head is trained, after an observation and an assistant header.
       if ep.length + len(delta) <= self.max_context:
         ep.segments.append(Segment(Role.OBSERVATION, delta))
-      ep.finish(truncated=True, reason="env" if result.truncated else "max_turns")
+      ep.finish("env_truncated" if result.truncated else "max_turns")
       return
     ep.segments.append(Segment(Role.OBSERVATION, delta))
     ep.pending = delta
@@ -497,20 +535,22 @@ class RolloutEngine:
       ep.fresh = True
     if ep.length + 1 > self.max_context:  # no room for another action
       ep.segments.pop()
-      ep.finish(truncated=True, reason="context")
+      ep.finish("context")
 
   def _clip_observation(self, text: str) -> str:
-    ids = tok_lib.encode(self.tok, text)
     budget = self.config.max_observation_tokens
-    if len(ids) <= budget:
+    head = text[:budget * _CHARS_PER_TOKEN]
+    ids = tok_lib.encode(self.tok, head)
+    if len(ids) <= budget and len(head) == len(text):
       return text
-    return self.tok.decode(ids[:budget]) + TRUNCATION_MARKER.format(len(ids) - budget)
+    kept = self.tok.decode(ids[:budget])
+    return kept + TRUNCATION_MARKER.format(len(text) - len(kept))
 
   def _release(self, ep: _Episode) -> None:
     if self.sampler is not None and ep.slot >= 0:
       self._free.append(ep.slot)
     ep.slot = None
-    ep.env.close()
+    self._call(ep, ep.env.close)  # not waited for; a hung close is abandoned
 
   def _policy_actions(self, ready: list[_Episode], stats: _Stats):
     sampler = self.sampler
@@ -541,6 +581,11 @@ class RolloutEngine:
       out.append((ids, None, STOP_SEQUENCE))
     return out
 
+  @staticmethod
+  def _failure(ep: _Episode) -> dict:
+    return {"task_id": ep.task.task_id, "group_id": ep.group,
+            "stop_reason": ep.stop_reason, "env_error": ep.error}
+
   def _record(self, ep: _Episode) -> Trajectory:
     return Trajectory(
         segments=ep.segments, reward=float(sum(ep.rewards)),
@@ -554,11 +599,20 @@ class RolloutEngine:
             "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors,
             "stop_reasons": ep.stop_reasons, "policy_versions": ep.versions,
             "reward_parts": dict(ep.parts), "env_time": ep.env_time,
-            "truncation": ep.truncation,
+            "stop_reason": ep.stop_reason, "env_error": ep.error,
             # Policy versions between the oldest turn and the update it feeds.
             "staleness": (self._version - min(ep.versions)) if ep.versions else 0,
             "success": bool(ep.terminated and ep.parts.get("outcome", 0.0) > 0),
         })
+
+
+def _timed(ep: _Episode, fn, *args):
+  """Runs an env call (on a worker), adding its seconds to the episode's."""
+  t0 = time.perf_counter()
+  try:
+    return fn(*args)
+  finally:
+    ep.env_time += time.perf_counter() - t0
 
 
 def _count_step(ep: _Episode, result: StepResult) -> None:
@@ -578,16 +632,25 @@ class _Replayed:
 @dataclasses.dataclass
 class _Stats:
   num_slots: int
+  abandoned: int = 0  # the engine's count of abandoned calls when the call began
   env_wait: float = 0.0
   generation: float = 0.0
   decode_calls: int = 0
   occupancy: float = 0.0
 
-  def summary(self, trajs: list[Trajectory]) -> dict[str, float]:
+  def summary(self, trajs: list[Trajectory], failed: list[dict],
+              latencies: list[float], abandoned: int) -> dict[str, float]:
+    """The call's metrics; `ended/<reason>` counts episodes (failed ones
+    included) per stop reason, `env_call_*_s` are per env call, and
+    `env_calls_abandoned` counts the calls this run abandoned."""
     n = max(len(trajs), 1)
     turns = [t.metadata["n_turns"] for t in trajs] or [0]
     stale = [t.metadata["staleness"] for t in trajs] or [0]
     calls = sum(t.metadata["tool_calls"] for t in trajs)
+    reasons = collections.Counter(
+        [t.metadata["stop_reason"] for t in trajs] + [f["stop_reason"] for f in failed])
+    p50, p95, top = (np.percentile(latencies, [50, 95, 100]) if latencies
+                     else (0.0, 0.0, 0.0))
     return {
         "episodes": float(len(trajs)),
         "turns_mean": float(np.mean(turns)), "turns_max": float(np.max(turns)),
@@ -601,6 +664,9 @@ class _Stats:
         "tool_calls_per_turn": calls / max(sum(turns), 1),
         "tool_error_rate": sum(t.metadata["tool_errors"] for t in trajs) / max(calls, 1),
         "staleness_mean": float(np.mean(stale)), "staleness_max": float(np.max(stale)),
+        **{f"ended/{r}": float(reasons[r]) for r in STOP_REASONS},
+        "env_call_p50_s": float(p50), "env_call_p95_s": float(p95),
+        "env_call_max_s": float(top), "env_calls_abandoned": float(abandoned),
         "env_wait_s": self.env_wait, "generation_s": self.generation,
         "slot_occupancy": self.occupancy / max(self.decode_calls, 1),
     }

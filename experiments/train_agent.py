@@ -21,6 +21,7 @@ bucket): every process writes its shards of a checkpoint, and process 0 the
 metrics, plots and summary.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -43,9 +44,11 @@ from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
 from agentrl_jax.train import presets, rl, sft
+from configs import base as config_base
 import plot_curves
 
-_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/default.py")
+_DEFAULT_CONFIG = "experiments/configs/default.py"
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Output directory.")
 
 CURVE_KEYS = ("eval/success", "rollout/reward_mean", "rollout/success_frac",
@@ -120,6 +123,7 @@ def build(cfg, mesh=None):
 def run(cfg, workdir) -> dict | None:
   """SFT then RL as configured, into `workdir` (resuming from it); the summary
   (process 0's; the other processes of a multi-host run return None)."""
+  config_base.validate(cfg)  # a bad flag fails here, before any work
   if cfg.mesh.multihost:  # before any other JAX call
     distributed.initialize(cfg.mesh.coordinator, cfg.mesh.num_processes,
                            cfg.mesh.process_id)
@@ -154,7 +158,8 @@ def run(cfg, workdir) -> dict | None:
     abstract = jax.eval_shape(lambda: state)
     if mesh is not None:  # restore straight into the shards
       abstract = sharding.abstract_state(abstract, sharding.param_shardings(abstract, mesh))
-    state, progress = ckpt.restore(resume, abstract_state=abstract)
+    # A step that does not read back (a crash mid-write) is skipped, warned.
+    resume, state, progress = ckpt.restore_latest(abstract_state=abstract)
     sampler.update_params(state.params)
     if primary:
       print(f"resumed from {workdir / 'checkpoints'} step {resume}: {progress}")
@@ -245,8 +250,30 @@ def run(cfg, workdir) -> dict | None:
 
 def main(argv):
   del argv
-  run(_CONFIG.value, _WORKDIR.value)
+  try:
+    run(_CONFIG.value, _WORKDIR.value)
+  except config_base.ConfigError as e:
+    raise app.UsageError(str(e)) from None
+
+
+def parse_flags(argv):
+  """absl's parse, with a clear message for an override of a field the
+  config lacks (ml_collections raises a bare AttributeError for it)."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError):
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
+                _DEFAULT_CONFIG)
+    path, _, arg = spec.partition(":")
+    module = importlib.util.module_from_spec(
+        importlib.util.spec_from_file_location("_config", path))
+    module.__spec__.loader.exec_module(module)
+    cfg = module.get_config(arg) if arg else module.get_config()
+    message = config_base.unknown_field(cfg, argv[1:])
+    if message is None:
+      raise
+    raise SystemExit(f"FATAL Flags parsing error: {message}") from None
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

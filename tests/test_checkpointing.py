@@ -1,5 +1,7 @@
 """Checkpointer: bit-exact round trips, keep-last-k, step selection, extra."""
 
+import re
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from agentrl_jax.checkpointing import Checkpointer
+from agentrl_jax.checkpointing import Checkpointer, CorruptCheckpointError
 
 
 def _bits(x):
@@ -115,3 +117,29 @@ def test_extra_json_round_trip(tmp_path):
            "loader": {"epoch": 1, "index": 17}, "done": False, "none": None}
   _, restored = _round_trip(tmp_path, {"x": jnp.zeros(1)}, extra)
   assert restored == extra
+
+
+@pytest.mark.parametrize("damaged", ["extra/metadata", "state/_METADATA"])
+def test_a_truncated_checkpoint_is_named_and_the_last_intact_one_taken(tmp_path, damaged):
+  def state(step):
+    return {"x": jnp.full((2,), step, jnp.int32)}
+  abstract = jax.eval_shape(lambda: state(0))
+  with Checkpointer(tmp_path) as ckpt:
+    for step in (10, 20, 30):
+      ckpt.save(step, state(step), {"step": step})
+  for step in (30, 20):  # a crash mid-write: the file's first half only
+    path = tmp_path / str(step) / damaged
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(CorruptCheckpointError, match=re.escape(
+        f"checkpoint {tmp_path / '30'} cannot be read (JSONDecodeError: ")) as e:
+      ckpt.restore(abstract_state=abstract)
+    assert "other steps on disk: [10, 20]" in str(e.value)
+    with pytest.warns(RuntimeWarning) as warned:
+      step, restored, extra = ckpt.restore_latest(abstract_state=abstract)
+    assert (step, int(restored["x"][0]), extra) == (10, 10, {"step": 10})
+    assert [str(tmp_path / s) in str(w.message) for w, s in zip(warned, ("30", "20"))] == [
+        True, True]
+    (tmp_path / "10" / damaged).write_text("{")
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(tmp_path / "10"))):
+      ckpt.restore_latest(abstract_state=abstract)

@@ -1,6 +1,8 @@
 """Every experiment config resolves and builds its model, sampler, engine and tasks."""
 
 import pathlib
+import re
+import subprocess
 import sys
 
 from flax import nnx
@@ -11,8 +13,8 @@ from agentrl_jax import tokenizer as T
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-from configs import (calculator, default, frozen_lake_turn_credit,  # pylint: disable=wrong-import-position
-                     python_tool, qwen_tpu, search_qa)
+from configs import (base, calculator, default,  # pylint: disable=wrong-import-position
+                     frozen_lake_turn_credit, python_tool, qwen_tpu, search_qa)
 import train_agent  # pylint: disable=wrong-import-position
 
 CONFIGS = {
@@ -26,6 +28,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_config_builds(name):
   cfg = CONFIGS[name]()
+  base.validate(cfg)
   cfg.env.num_train_tasks, cfg.env.num_eval_tasks = 8, 4
   model, sampler, engine, train_tasks, eval_tasks = train_agent.build(cfg)
   assert len(train_tasks) == 8 and len(eval_tasks) == 4
@@ -50,3 +53,51 @@ def test_qwen_config_loads_a_local_checkpoint_and_its_tokenizer(tmp_path):
   text = "<search>Vorland capital</search>"
   assert len(engine.tok) == 512 and T.encode(engine.tok, text) == T.encode(T.load_tokenizer(), text)
   engine.close()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("iterations", -1, "iterations = -1 must be >= 0"),
+    ("eval_every", 0, "eval_every = 0 must be >= 1"),
+    ("checkpoint_every", 0, "checkpoint_every = 0 must be >= 1"),
+    ("eval_samples", -1, "eval_samples = -1 must be >= 0"),
+    ("optim.learning_rate", 0.0, "optim.learning_rate = 0.0 must be > 0"),
+    ("rl_optim.learning_rate", -1e-4, "rl_optim.learning_rate = -0.0001 must be > 0"),
+    ("sft.steps", -1, "sft.steps = -1 must be >= 0"),
+    ("sft.batch_size", 0, "sft.batch_size = 0 must be >= 1"),
+    ("sampler.num_slots", 0, "sampler.num_slots = 0 must be >= 1"),
+    ("rl.group_size", 0, "rl.group_size = 0 must be >= 1"),
+    ("rl.tasks_per_iteration", 0, "rl.tasks_per_iteration = 0 must be >= 1"),
+    ("rollout.max_turns", 0, "rollout.max_turns = 0 must be >= 1"),
+    ("rollout.env_workers", 0, "rollout.env_workers = 0 must be >= 1"),
+    ("rl.credit", "grpoo", "rl.credit = 'grpoo' must be one of ('grpo',"),
+    ("algorithm", "ppo", "algorithm = 'ppo' must be one of ('', 'grpo',"),
+    ("loss.agg", "mean", "loss.agg = 'mean' must be one of ('token-mean',"),
+    ("loss.kl_kind", "k4", "loss.kl_kind = 'k4' must be one of ('k1',"),
+    ("loss.is_correction", "is", "loss.is_correction = 'is' must be one of ('none',"),
+    ("env.name", "chess", "env.name = 'chess' must be a registered environment"),
+])
+def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):
+  cfg = default.get_config()
+  base.validate(cfg)  # the default is valid
+  *path, leaf = field.split(".")
+  node = cfg
+  for part in path:
+    node = node[part]
+  node[leaf] = value
+  with pytest.raises(base.ConfigError, match=re.escape(message)):
+    train_agent.run(cfg, tmp_path / "run")
+  assert not (tmp_path / "run").exists(), "nothing was written"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.not_a_field=1", "config has no field 'not_a_field'; its fields: algorithm,"),
+    ("--config.rl.grup_size=4", "config.rl has no field 'grup_size'; its fields: "
+                                "branch_size, buckets, credit,"),
+])
+def test_an_unknown_config_field_names_itself(override, message):
+  out = subprocess.run(
+      [sys.executable, "experiments/train_agent.py",
+       "--config=experiments/configs/frozen_lake_turn_credit.py:gae", override],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode != 0
+  assert f"FATAL Flags parsing error: {override}: {message}" in out.stderr, out.stderr[-2000:]

@@ -1,6 +1,8 @@
 """RolloutEngine on toy environments: ids, masks, isolation, budgets, seams."""
 
+import collections
 import dataclasses
+import sys
 import threading
 import time
 
@@ -120,7 +122,7 @@ def test_budgets_errors_and_truncation(tok, sampler):
                                        max_observation_tokens=10))
   trajs = engine.run(_tasks(2, steps=(5,)), group_size=1).trajectories
   for t in trajs:
-    assert t.truncated and not t.terminated and t.metadata["truncation"] == "max_turns"
+    assert t.truncated and not t.terminated and t.metadata["stop_reason"] == "max_turns"
     assert t.num_turns == 2
     assert all(len(s) <= 8 for s in t.segments if s.role == Role.ASSISTANT)
     obs = [tok.decode(s.token_ids) for s in t.segments if s.role == Role.OBSERVATION]
@@ -159,7 +161,7 @@ def test_expert_mode_and_the_bpe_seam(tok):
     assert t.terminated and t.num_turns == 3
 
 
-def test_tool_exceptions_become_observations(tok):
+def test_an_exception_in_step_ends_the_episode_as_env_error(tok):
   class Crashy(CountdownEnv):
     @classmethod
     def expert(cls, task):
@@ -167,9 +169,12 @@ def test_tool_exceptions_become_observations(tok):
 
   engine = RolloutEngine(Crashy, tok, T.REACT, config=RolloutConfig(max_turns=2))
   (t,) = engine.run(_tasks(1, steps=(5,)), expert=True).trajectories
-  obs = tok.decode([i for s in t.segments if s.role == Role.OBSERVATION for i in s.token_ids])
-  assert "Error: RuntimeError: tool crashed" in obs
-  assert t.metadata["tool_errors"] == 2 and t.truncated
+  assert t.truncated and not t.terminated and t.num_turns == 1
+  assert t.metadata["stop_reason"] == "env_error"
+  assert t.metadata["env_error"] == "RuntimeError: tool crashed"
+  assert t.segments[-1].role == Role.ASSISTANT  # the action the env failed on
+  assert t.turn_rewards == [0.0]
+  t.validate()
 
 
 def test_slow_tools_overlap_decoding_in_whole_cohorts(tok, model):
@@ -289,7 +294,7 @@ def test_a_prompt_longer_than_the_cache_truncates_the_episode(tok, sampler):
   engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
                          RolloutConfig(max_action_tokens=8, system_prompt="x " * 300))
   (t,) = engine.run(_tasks(1)).trajectories
-  assert t.truncated and t.metadata["truncation"] == "context" and t.num_turns == 0
+  assert t.truncated and t.metadata["stop_reason"] == "context" and t.num_turns == 0
 
 
 @pytest.mark.parametrize("name", ["search_qa", "calculator", "frozen_lake", "python_tool"])
@@ -360,7 +365,7 @@ def test_branch_replays_the_prefix_and_samples_on(tok, model, sampler):
     assert c.segments[:5] == trajs[0].segments[:5]  # prompt + 2 replayed turns
     assert c.turn_rewards[:2] == trajs[0].turn_rewards[:2]
     # max_turns counts the replayed turns: one new turn, then the budget.
-    assert c.num_turns == 3 and c.truncated and c.metadata["truncation"] == "max_turns"
+    assert c.num_turns == 3 and c.truncated and c.metadata["stop_reason"] == "max_turns"
   assert len({c.segments[5].token_ids for c in conts[0]}) > 1, "sampled afresh"
   assert all(c.segments[:1] == trajs[1].segments[:1] for c in conts[1])
   # The slot was prefilled with the recorded tokens: the model re-scores the
@@ -415,7 +420,7 @@ class _TruncatingEnv(CountdownEnv):
 
 
 @pytest.mark.parametrize("env, max_turns, reason", [(CountdownEnv, 2, "max_turns"),
-                                                    (_TruncatingEnv, 4, "env")])
+                                                    (_TruncatingEnv, 4, "env_truncated")])
 def test_gae_bootstraps_a_real_truncated_rollout_where_the_value_head_trains(
     tok, env, max_turns, reason):
   from agentrl_jax import train
@@ -428,7 +433,7 @@ def test_gae_bootstraps_a_real_truncated_rollout_where_the_value_head_trains(
   trajs = engine.run(_tasks(2, steps=(9,)), group_size=2).trajectories
   for i, t in enumerate(trajs):
     t.metadata["group_id"] = i // 2
-    assert t.truncated and t.metadata["truncation"] == reason and t.num_turns == 2
+    assert t.truncated and t.metadata["stop_reason"] == reason and t.num_turns == 2
     # It ends in the state after its last action: the observation delta,
     # which ends with the next assistant header, like every decision state.
     assert [s.role for s in t.segments[-2:]] == [Role.ASSISTANT, Role.OBSERVATION]
@@ -454,3 +459,119 @@ def test_gae_bootstraps_a_real_truncated_rollout_where_the_value_head_trains(
     want = r[1] + 0.9 * bootstrap[i] - turn_values[i, 1]
     on = (batch.seq_ids == i) & (batch.turn_index == 1)
     np.testing.assert_allclose(got.advantages[on], want, rtol=1e-5, atol=1e-6)
+
+
+_RELEASE = threading.Event()  # set at the end of the fault test: hung calls return
+
+
+class FaultyEnv(CountdownEnv):
+  """CountdownEnv that misbehaves as task.data["fault"] says, on its first step
+  (or in reset); "" behaves."""
+
+  def reset(self, task):
+    self.fault = task.data["fault"]
+    if self.fault == "reset_hangs":
+      _RELEASE.wait(600)
+    if self.fault == "reset_raises":
+      raise OSError("no such task")
+    if self.fault == "reset_returns_str":
+      return "just a string"
+    return super().reset(task)
+
+  def step(self, action):
+    result = super().step(action)
+    fault, self.fault = self.fault, ""  # the first step only
+    bad = {
+        "step_raises": lambda: 1 / 0,
+        "step_exits": lambda: sys.exit(3),
+        "step_hangs": lambda: _RELEASE.wait(600),
+        "obs_int": lambda: dataclasses.replace(result, observation=12345),
+        "obs_none": lambda: dataclasses.replace(result, observation=None),
+        "obs_bytes": lambda: dataclasses.replace(result, observation=b"bytes"),
+        "obs_surrogate": lambda: dataclasses.replace(result, observation="a\ud800b"),
+        "three_tuple": lambda: ("obs", 0.0, False),
+        "info_none": lambda: dataclasses.replace(result, info=None),
+        "reward_nan": lambda: dataclasses.replace(result, reward=float("nan")),
+        "reward_str": lambda: dataclasses.replace(result, reward="1"),
+        "flag_str": lambda: dataclasses.replace(result, terminated="no"),
+        "parts_str": lambda: dataclasses.replace(result, info={"reward_parts": "x"}),
+    }
+    if fault == "obs_10mb":
+      return dataclasses.replace(result, observation="word " * 2_000_000)
+    if fault == "slow":
+      time.sleep(0.5)
+    if fault in bad:
+      out = bad[fault]()
+      return result if fault == "step_hangs" else out
+    return result
+
+
+_ERRORS = {  # fault -> (stop reason, start of the recorded error text)
+    "step_raises": ("env_error", "ZeroDivisionError"),
+    "step_exits": ("env_error", "SystemExit: 3"),
+    "step_hangs": ("env_timeout", "no answer within the 1 s deadline"),
+    "obs_int": ("env_error", "ContractError: step observation must be a str, got int"),
+    "obs_none": ("env_error", "ContractError: step observation must be a str, got NoneType"),
+    "obs_bytes": ("env_error", "ContractError: step observation must be a str, got bytes"),
+    "obs_surrogate": ("env_error", "ContractError: step observation is not valid Unicode"),
+    "three_tuple": ("env_error", "ContractError: step must return a StepResult, got a tuple of 3"),
+    "info_none": ("env_error", "ContractError: step info must be a dict, got NoneType"),
+    "reward_nan": ("env_error", "ContractError: step reward must be a finite number"),
+    "reward_str": ("env_error", "ContractError: step reward must be a finite number"),
+    "flag_str": ("env_error", "ContractError: step terminated must be a bool, got str"),
+    "parts_str": ("env_error", "ContractError: step info['reward_parts'] must map"),
+}
+_RESET_ERRORS = {
+    "reset_hangs": ("env_timeout", "no answer within the 1 s deadline"),
+    "reset_raises": ("env_error", "OSError: no such task"),
+    "reset_returns_str": ("env_error", "ContractError: reset must return (observation, info)"),
+}
+
+
+def test_a_batch_survives_envs_that_hang_raise_and_return_garbage(tok, sampler):
+  """Good episodes mixed with every fault: the good ones come back whole,
+  each bad one ends labelled, in bounded time, and the engine stays usable."""
+  faults = ["", "slow", "obs_10mb", *_ERRORS, *_RESET_ERRORS]
+  tasks = [Task(f"t{i}", "go", {"steps": 2, "fault": f}) for i, f in enumerate(faults)]
+  engine = RolloutEngine(FaultyEnv, tok, T.CHATML, sampler, RolloutConfig(
+      max_turns=3, max_action_tokens=8, max_observation_tokens=32, env_deadline_s=1.0))
+  try:
+    t0 = time.perf_counter()
+    result = engine.run(tasks, group_size=2)
+    # Outside decoding (compiles included), the batch waited ~1 s: the hung
+    # calls' deadline, all of them at once, and 0.5 s for the slow step.
+    assert time.perf_counter() - t0 - result.metrics["generation_s"] < 20
+    by_fault = collections.defaultdict(list)
+    for t in result.trajectories:
+      by_fault[faults[int(t.metadata["task_id"][1:])]].append(t)
+    for f in result.failed:
+      by_fault[faults[int(f["task_id"][1:])]].append(f)
+    assert {f: len(v) for f, v in by_fault.items()} == {f: 2 for f in faults}
+    for fault in ("", "slow", "obs_10mb"):  # complete, and trainable
+      for t in by_fault[fault]:
+        assert t.terminated and t.num_turns == 2 and t.metadata["stop_reason"] == "terminated"
+        t.validate()
+    for t in by_fault["obs_10mb"]:
+      observation = tok.decode(t.segments[2].token_ids)
+      assert "...[truncated 99999" in observation and len(t.segments[2]) < 100
+    for fault, (reason, text) in _ERRORS.items():
+      for t in by_fault[fault]:
+        assert (t.metadata["stop_reason"], t.truncated, t.num_turns) == (reason, True, 1)
+        assert t.metadata["env_error"].startswith(text), t.metadata["env_error"]
+        t.validate()
+    for fault, (reason, text) in _RESET_ERRORS.items():
+      for f in by_fault[fault]:
+        assert f["stop_reason"] == reason and f["env_error"].startswith(text)
+    m = result.metrics
+    assert m["ended/terminated"] == 6 and m["ended/env_timeout"] == 4
+    assert m["ended/env_error"] == 2 * (len(_ERRORS) + len(_RESET_ERRORS)) - 4
+    assert m["env_calls_abandoned"] == 4 == engine.abandoned_calls
+    assert m["env_call_max_s"] >= 1.0 and m["env_call_p50_s"] < 0.5
+    # Usable afterwards: every slot came back, the next batch runs.
+    again = engine.run(tasks[:2], group_size=2).trajectories
+    assert [t.metadata["stop_reason"] for t in again] == ["terminated"] * 4
+  finally:
+    _RELEASE.set()
+    t0 = time.perf_counter()
+    engine.close()
+    assert time.perf_counter() - t0 < 5

@@ -8,6 +8,7 @@ the child checks the host: a normal run works, no process of a sandbox uid
 and no launcher is left, no run cgroup is left, no marker file exists.
 """
 
+import ast
 import concurrent.futures
 import dataclasses
 import json
@@ -35,8 +36,8 @@ MARKERS = ["/tmp/escape_marker", "/var/tmp/escape_marker", "/dev/shm/escape_mark
            "/root/escape_marker", "/escape_marker", "/etc/escape_marker",
            str(REPO / "escape_marker")]
 
-# In each attack {runner_pid}, {pytest_pid}, {port}, {secret}, {markers} and
-# {repo} are replaced by their values.
+# In each attack {runner_pid}, {pytest_pid}, {port}, {unix_socket}, {secret},
+# {markers} and {repo} are replaced by their values.
 # `try_(label, fn)` prints "label: ok" or "label: <error name>".
 PRELUDE = """
 import errno, os, signal, socket, subprocess, sys, time
@@ -102,6 +103,12 @@ def connect(addr):
 try_("host_listener", lambda: connect(("127.0.0.1", {port})))
 try_("outside", lambda: connect(("1.1.1.1", 53)))
 try_("dns", lambda: socket.getaddrinfo("example.com", 80))
+# A world-writable Unix socket on the host (like /run/dbus/system_bus_socket
+# or /dev/log): a read-only mount does not stop connect().
+def connect_unix(path):
+  s = socket.socket(socket.AF_UNIX); s.settimeout(1); s.connect(path)
+try_("host_unix_socket", lambda: connect_unix("{unix_socket}"))
+try_("socketpair", lambda: socket.socketpair())
 print("interfaces:", [l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]])
 """,
     "write_outside": """
@@ -115,6 +122,7 @@ try_("touch_repo", lambda: os.utime("{repo}/pyproject.toml"))
 try_("secret", lambda: print(open("{secret}").read()))
 try_("shadow", lambda: print(open("/etc/shadow").read()))
 try_("root_home", lambda: print(os.listdir("/root")))
+print("launcher:", open("/proc/1/cmdline").read().split(chr(0)))
 """,
     "escalate": """
 try_("setuid", lambda: os.setuid(0))
@@ -126,6 +134,8 @@ try_("sysctl", lambda: open("/proc/sys/kernel/hostname", "w").write("x"))
 try_("userns_remount", lambda: subprocess.run(
     ["unshare", "-Urm", "sh", "-c", "mount -o remount,bind,rw / && touch /escape_marker"],
     check=True, capture_output=True))
+try_("userns", lambda: subprocess.run(["unshare", "-U", "true"], check=True,
+                                       capture_output=True))
 print("uid", os.getuid(), "groups", os.getgroups())
 """,
     "kill_parents": """
@@ -161,8 +171,14 @@ def _run_attacks(args):
   listener.bind(("127.0.0.1", 0))
   listener.listen()
   listener.setblocking(False)
+  unix_listener = socket.socket(socket.AF_UNIX)
+  unix_listener.bind(args["unix_socket"])
+  os.chmod(args["unix_socket"], 0o777)
+  unix_listener.listen()
+  unix_listener.setblocking(False)
   fmt = dict(runner_pid=os.getpid(), pytest_pid=args["pytest_pid"], secret=args["secret"],
-             port=listener.getsockname()[1], markers=MARKERS, repo=str(REPO))
+             port=listener.getsockname()[1], unix_socket=args["unix_socket"],
+             markers=MARKERS, repo=str(REPO))
   report = {}
   for name in args["attacks"]:
     box = Sandbox(**{**LIMITS, **ATTACK_LIMITS.get(name, {})}, require_isolation=True)
@@ -172,11 +188,13 @@ def _run_attacks(args):
     result = box.run(PRELUDE + code)
     after = box.run("print(1 + 1)")
     procs, cgroups = _host_leftovers()
-    try:
-      listener.accept()
-      accepted = True
-    except BlockingIOError:
-      accepted = False
+    accepted = False
+    for server in (listener, unix_listener):
+      try:
+        server.accept()
+        accepted = True
+      except BlockingIOError:
+        pass
     report[name] = dict(result=dataclasses.asdict(result), after=dataclasses.asdict(after),
                         procs=procs, cgroups=cgroups, accepted=accepted,
                         markers=[m for m in MARKERS if os.path.lexists(m)])
@@ -190,6 +208,10 @@ def _confinement_skip_reason():
     return "attack tests need root (cgroups, namespaces)"
   if not sandbox_lib.namespaces_available():
     return "attack tests need `unshare` namespaces"
+  if sandbox_lib._cgroup_version() == "2":
+    # The runner would hold processes in the cgroup its runs' cgroups go
+    # below, which v2 forbids; per-run v2 cgroups have their own tests.
+    return "the confined attack runner needs cgroup v1 (this host has v2)"
   if not (sandbox_lib._own_cgroup("pids") and sandbox_lib._own_cgroup("memory")):
     return "attack tests need writable cgroup v1 pids and memory controllers"
   return None
@@ -226,7 +248,10 @@ def attacks(secret):
       pathlib.Path(path, file).write_text(str(value))
     # sh joins the cgroups, then becomes the runner: nothing runs outside them.
     join = " && ".join(f'echo $$ > "{d}/cgroup.procs"' for d in dirs)
-    args = json.dumps(dict(pytest_pid=os.getpid(), secret=secret, attacks=list(ATTACKS)))
+    # Next to the secret: a world-readable host directory outside /tmp.
+    unix_socket = os.path.join(os.path.dirname(secret), "listener.sock")
+    args = json.dumps(dict(pytest_pid=os.getpid(), secret=secret, attacks=list(ATTACKS),
+                           unix_socket=unix_socket))
     proc = subprocess.run(["sh", "-c", f'{join} && exec "$@"', "sh", sys.executable, __file__, args],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -234,6 +259,7 @@ def attacks(secret):
     with open(secret) as f:
       report["secret_after"] = (f.read(), oct(os.stat(secret).st_mode & 0o777))
     report["secret"] = secret
+    os.remove(unix_socket)
     report["secret_dir_after"] = sorted(os.listdir(os.path.dirname(secret)))
     return report
   finally:
@@ -252,7 +278,7 @@ def _contained(report, name):
   assert entry["cgroups"] == [], f"{name} left cgroups {entry['cgroups']}"
   assert entry["markers"] == [], f"{name} left marker files {entry['markers']}"
   assert not entry["accepted"], f"{name} reached a host socket"
-  assert entry["result"]["isolation"] == "namespaces+cgroup(pids,memory)"
+  assert entry["result"]["isolation"] == "namespaces+seccomp+cgroup(pids,memory)"  # v1
   return entry["result"]
 
 
@@ -305,6 +331,7 @@ def test_no_network(attacks):
   result = _contained(attacks, "network")
   lines = _lines(result)
   assert all(lines[k] != "ok" for k in ("host_listener", "outside", "dns")), lines
+  assert lines["host_unix_socket"] == "EACCES" and lines["socketpair"] == "ok"
   assert "interfaces: ['lo']" in result["stdout"]
 
 
@@ -333,15 +360,21 @@ def test_host_is_read_only(attacks):
 
 def test_root_only_files_are_unreadable(attacks):
   result = _contained(attacks, "read_secret")
-  assert _lines(result) == {"secret": "EACCES", "shadow": "EACCES", "root_home": "EACCES"}
+  lines = _lines(result)
+  assert {k: lines[k] for k in ("secret", "shadow", "root_home")} == {
+      "secret": "EACCES", "shadow": "EACCES", "root_home": "EACCES"}
   assert "TOP-SECRET" not in result["stdout"] + result["stderr"]
+  # Pid 1's command line: the interpreter, then its source and config by fd.
+  argv = ast.literal_eval(lines["launcher"])
+  assert argv[1:] == ["-I", "-S", argv[3], argv[4], ""] and argv[3].startswith("/dev/fd/")
+  assert argv[0] == sandbox_lib.user_python("namespaces") and argv[4].isdigit()
 
 
 def test_no_privilege_escalation(attacks):
   result = _contained(attacks, "escalate")
   lines = _lines(result)
   assert all(lines[k] != "ok" for k in ("setuid", "remount", "cgroup_escape", "sysctl",
-                                        "userns_remount")), lines
+                                        "userns_remount", "userns")), lines
   uid = int(result["stdout"].split("uid ")[1].split()[0])
   assert sandbox_lib.UID_BASE <= uid < sandbox_lib.UID_BASE + sandbox_lib.UID_SPAN
   assert "groups []" in result["stdout"]
@@ -368,6 +401,43 @@ def test_runs_code_with_stdin(box):
   result = box.run("import sys\nprint(sys.stdin.read().upper(), 'é')", stdin="abc")
   assert (result.stdout, result.exit_code, result.ok) == ("ABC é\n", 0, True)
   assert not result.timed_out and result.killed_reason is None and not result.truncated
+
+
+_HIERARCHY = "cgroup-v2" if sandbox_lib._cgroup_version() == "2" else "cgroup-v1"
+
+
+@pytest.mark.parametrize("hierarchy", [_HIERARCHY])  # the test id says which was tested
+def test_each_run_gets_its_own_cgroup(box, hierarchy):
+  if not (sandbox_lib._own_cgroup("pids") and sandbox_lib._own_cgroup("memory")):
+    pytest.skip(f"{hierarchy}: pids and memory are not writable (v1) or not enabled "
+                "for this process's children (v2)")
+  result = box.run("print(open('/proc/self/cgroup').read())")
+  version = "2" if hierarchy == "cgroup-v2" else ""
+  assert result.isolation == f"namespaces+seccomp+cgroup{version}(pids,memory)"
+  lines = [line.split(":", 2) for line in result.stdout.split()]
+  wanted = [("",)] if version else [("pids",), ("memory",)]
+  for (controllers,) in wanted:
+    [path] = [p for _, c, p in lines if controllers in c.split(",") or c == controllers]
+    assert path.rsplit("/", 1)[1].startswith(sandbox_lib.CGROUP_PREFIX), result.stdout
+
+
+def test_cgroup_v2_runs_get_a_child_with_their_limits(tmp_path, monkeypatch):
+  """On a fake unified hierarchy: a child of our cgroup with pids.max and
+  memory.max, only where our cgroup enables those controllers for children."""
+  (tmp_path / "cgroup.controllers").write_text("cpu io memory pids")
+  own = tmp_path / "system.slice" / "trainer.service"
+  own.mkdir(parents=True)
+  monkeypatch.setattr(sandbox_lib, "CGROUP_ROOT", str(tmp_path))
+  monkeypatch.setattr(sandbox_lib, "_proc_cgroups",
+                      lambda: [("", "/system.slice/trainer.service")])
+  assert sandbox_lib._cgroup_version() == "2"
+  (own / "cgroup.subtree_control").write_text("cpu\n")  # not delegated: no cgroup
+  assert sandbox_lib._make_cgroups("run", pids_max=9, memory_bytes=2048) == {}
+  (own / "cgroup.subtree_control").write_text("memory pids\n")
+  made = sandbox_lib._make_cgroups("run", pids_max=9, memory_bytes=2048)
+  assert made == {"pids": str(own / "run"), "memory": str(own / "run")}
+  assert (own / "run" / "pids.max").read_text() == "9"
+  assert (own / "run" / "memory.max").read_text() == "2048"
 
 
 def test_exceptions_and_exit_codes_are_results(box):

@@ -64,25 +64,6 @@ def _reference_loss(model, batch, cfg, params_ref):
   return loss, params
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_accumulated_gradient_is_the_full_batch_gradient(model, agg):
-  batch = _batch()
-  base = dict(agg=agg, kl_beta=0.05, entropy_coef=0.01)
-  # With SGD(lr=1) the update is minus the gradient.
-  before, after, metrics, _ = _run(model, train.LossConfig(**base), batch)
-  loss_fn, params = _reference_loss(model, batch, train.LossConfig(**base), params_ref=params_of(model))
-  want = jax.grad(loss_fn)(params)
-  got = jax.tree.map(lambda b, a: b - a, before, after.params)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6)
-  np.testing.assert_allclose(metrics["loss"], loss_fn(params), rtol=1e-5)
-  for micro in (2, 4):
-    _, other, m2, _ = _run(model, train.LossConfig(**base, micro_batches=micro), batch)
-    np.testing.assert_allclose(m2["loss"], metrics["loss"], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(other.params), jax.tree.leaves(after.params)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
 def params_of(model):
   return nnx.split(model, nnx.Param)[1]
 
@@ -210,18 +191,15 @@ def test_accumulation_is_exact_when_views_split_across_micro_batches(model, agg)
     split = [s for s in set(seq_of_row[seq_of_row >= 0]) if sum(s in p for p in parts) > 1]
     assert len(split) >= 4, (n, split)
   base = dict(agg=agg, kl_beta=0.05, entropy_coef=0.01, norm_constant=20.0)
-  _, full, metrics, _ = _run(model, train.LossConfig(**base), batch, tx=_CAPTURE)
   loss_fn, params = _reference_loss(model, batch, train.LossConfig(**base),
                                     params_ref=params_of(model))
-  np.testing.assert_allclose(metrics["loss"], loss_fn(params), rtol=1e-6)
   want = jax.grad(loss_fn)(params)
   scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
-  for micro in (2, 8):
-    _, split, m2, _ = _run(model, train.LossConfig(**base, micro_batches=micro), batch,
-                           tx=_CAPTURE)
-    np.testing.assert_allclose(m2["loss"], metrics["loss"], rtol=1e-6)
-    np.testing.assert_allclose(m2["pg_loss"], metrics["pg_loss"], rtol=1e-6, atol=1e-7)
-    for g, w in zip(jax.tree.leaves(split.opt_state), jax.tree.leaves(want), strict=True):
+  for micro in (1, 4):  # the whole batch, then views of a trajectory apart
+    _, got, m, _ = _run(model, train.LossConfig(**base, micro_batches=micro), batch,
+                        tx=_CAPTURE)
+    np.testing.assert_allclose(m["loss"], loss_fn(params), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)
 
 

@@ -1,4 +1,8 @@
-"""The sandbox's launcher (see sandbox.py): `python -I -S _sandbox_child.py CONFIG`.
+"""The sandbox's launcher (see sandbox.py): `python -I -S /dev/fd/L C`.
+
+It reads its own source from fd L and its JSON config from fd C, so the
+command line of pid 1 (readable inside the sandbox as /proc/1/cmdline) shows
+no host path and no config.
 
 Mode "namespaces": runs as root, as pid 1 of the fresh namespaces `unshare`
 made. It hides the host behind read-only mounts and small tmpfs, joins the
@@ -8,12 +12,20 @@ outcome as JSON on the status fd. Staying root and alive as the supervisor
 is what makes the kill reliable: the user program cannot signal it, and when
 it exits the kernel kills whatever is left in the pid namespace.
 
+The user program also runs under a seccomp filter (x86_64 and aarch64): no
+AF_UNIX sockets (a pathname socket on the host, e.g. a world-writable one in
+/run, is reachable through a read-only mount; `socketpair` still works), no
+new user namespaces (`unshare`/`clone` with CLONE_NEWUSER; `clone3`, whose
+flags a filter cannot read, answers ENOSYS so libc falls back to `clone`),
+no io_uring (it could open sockets past the filter).
+
 Mode "rlimits-only": sets the rlimits and execs the user program in place.
 
 Stdlib only, and imports nothing from the package: it starts on every run.
 """
 
 import ctypes
+import errno
 import json
 import os
 import re
@@ -25,7 +37,11 @@ import time
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME = 1 << 14, 1 << 18, 1 << 21
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+# Per machine: audit arch, then the syscall numbers of socket, clone,
+# unshare, clone3 and io_uring_setup.
+_SECCOMP_ABI = {"x86_64": (0xC000003E, 41, 56, 272, 435, 425),
+                "aarch64": (0xC00000B7, 198, 220, 97, 435, 425)}
 # statvfs f_flag bits -> mount flags, so a read-only remount keeps the others.
 _KEPT_FLAGS = ((os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
                (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
@@ -126,11 +142,53 @@ def _user_main(cfg, status_fd):
     # nosuid; this covers anything they miss).
     if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or os.getuid() == 0:
       raise OSError("could not drop privileges")
+    if os.uname().machine in _SECCOMP_ABI:  # fail closed where we have one
+      _install_seccomp(_SECCOMP_ABI[os.uname().machine])
     os.chdir(WORK_DIR)
     os.execve(cfg["python"], _user_argv(cfg), _user_env(WORK_DIR))
   except BaseException as e:  # pylint: disable=broad-except
     os.write(2, f"sandbox: could not start the program: {e}\n".encode())
   os._exit(127)
+
+
+class _SockFilter(ctypes.Structure):
+  _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte),
+              ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+  _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def seccomp_program(abi):
+  """The classic-BPF filter (code, jt, jf, k) over `struct seccomp_data`:
+  nr at offset 0, arch at 4, the low 32 bits of args[0] at 16."""
+  arch, socket_nr, clone_nr, unshare_nr, clone3_nr, io_uring_nr = abi
+  ld = lambda offset: (0x20, 0, 0, offset)  # BPF_LD | BPF_W | BPF_ABS
+  jeq = lambda k, jt, jf: (0x15, jt, jf, k)  # BPF_JMP | BPF_JEQ | BPF_K
+  ret = lambda k: (0x06, 0, 0, k)  # BPF_RET | BPF_K
+  allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, _KILL_PROCESS
+  deny = lambda err: 0x00050000 | err  # SECCOMP_RET_ERRNO
+  x32 = [(0x35, 0, 1, 0x40000000), ret(deny(errno.ENOSYS))] if arch == 0xC000003E else []
+  head = [ld(4), jeq(arch, 1, 0), ret(kill), ld(0), *x32,
+          jeq(clone3_nr, 0, 1), ret(deny(errno.ENOSYS)),
+          jeq(io_uring_nr, 0, 1), ret(deny(errno.ENOSYS))]
+  return head + [
+      jeq(socket_nr, 3, 0),  # -> socket
+      jeq(unshare_nr, 6, 0),  # -> flags
+      jeq(clone_nr, 5, 0),  # -> flags
+      ret(allow),
+      ld(16), jeq(1, 0, 1), ret(deny(errno.EACCES)), ret(allow),  # socket: AF_UNIX?
+      ld(16), (0x45, 0, 1, 0x10000000), ret(deny(errno.EPERM)), ret(allow),  # CLONE_NEWUSER?
+  ]
+
+
+def _install_seccomp(abi):
+  program = seccomp_program(abi)
+  filters = (_SockFilter * len(program))(*[_SockFilter(*insn) for insn in program])
+  prog = _SockFprog(len(program), filters)
+  if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "could not install the seccomp filter")
 
 
 def _user_argv(cfg):
@@ -170,7 +228,8 @@ def _oom_score_adj(value):
 
 
 def _namespaces(cfg, code, status_fd):
-  status = {"exit_code": None, "timed_out": False, "cpu": 0.0, "error": None}
+  status = {"exit_code": None, "timed_out": False, "cpu": 0.0, "error": None,
+            "seccomp": os.uname().machine in _SECCOMP_ABI}
   try:
     status["cgroups"] = _join_cgroups(cfg["cgroups"])
     _hide_host(cfg)
@@ -211,7 +270,9 @@ def _rlimits_only(cfg, code):
 
 
 def main():
-  cfg = json.loads(sys.argv[1])
+  os.close(int(sys.argv[0].rsplit("/", 1)[1]))  # this file's fd (/dev/fd/L)
+  with os.fdopen(int(sys.argv[1]), "rb") as f:
+    cfg = json.loads(f.read())
   with os.fdopen(cfg["code_fd"], "rb") as f:
     code = f.read()
   if cfg["mode"] == "namespaces":

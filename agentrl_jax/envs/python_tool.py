@@ -252,6 +252,9 @@ class PythonToolEnv(TextEnvironment):
     super().__init__(format_penalty=format_penalty, step_cost=step_cost)
     self.sandbox = sandbox if sandbox is not None else Sandbox()
     self.partial_credit = partial_credit
+    # The rollout's per-call deadline: a step runs the sandbox once, which
+    # enforces its own limits; this only catches a sandbox that fails to.
+    self.deadline_s = self.sandbox.max_seconds + 10.0
 
   @classmethod
   def tasks(cls, split: str, n: int, seed: int) -> list[Task]:

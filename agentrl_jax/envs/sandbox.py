@@ -15,7 +15,12 @@ host setup. The mode is chosen once per process and named in
   (random per run from a range no account uses, no supplementary groups,
   no_new_privs) with `python3 -I`. Guarantees:
   - No network: an empty network namespace (a down loopback only); the
-    host's sockets, even on 127.0.0.1, are unreachable.
+    host's sockets, even on 127.0.0.1, are unreachable. Host Unix sockets
+    too: a seccomp filter (x86_64, aarch64; "+seccomp" in `isolation`)
+    refuses AF_UNIX sockets, which a read-only mount would not stop, and new
+    user namespaces.
+  - Nothing of the host's setup in sight: the launcher gets its source and
+    config by fd, so /proc/1/cmdline shows only the interpreter.
   - Read-only host: every host mount is remounted read-only and nosuid in the
     run's mount namespace; root-only files stay unreadable (we are not
     root). /tmp is a fresh tmpfs of `disk_mb` and `max_files` inodes holding
@@ -29,10 +34,12 @@ host setup. The mode is chosen once per process and named in
     it, and sees no host process to signal); on timeout or exit it kills
     every process of the namespace. If the launcher itself hangs, `run`
     kills `unshare` after a grace period and the kernel kills the rest.
-  - Best effort, cgroup v1: where the `pids` and `memory` controllers are
-    writable, each run gets its own cgroup below the caller's (pids.max,
-    memory.limit_in_bytes = whole-run totals), removed afterwards; the
-    controllers used show in `isolation`, e.g. "namespaces+cgroup(pids,memory)".
+  - Best effort, cgroups: where the `pids` and `memory` controllers are
+    writable (v1), or enabled for the caller's children (v2, e.g. systemd
+    `Delegate=`), each run gets its own cgroup below the caller's (whole-run
+    totals: pids.max, memory.limit_in_bytes / memory.max, no swap), removed
+    afterwards; the hierarchy and controllers used show in `isolation`, e.g.
+    "namespaces+seccomp+cgroup(pids,memory)" (v1) or "...+cgroup2(pids,memory)".
 
 "rlimits-only" (fallback: not root or no usable `unshare`, e.g. a laptop).
   The code runs as the calling user in a temporary directory (removed
@@ -47,6 +54,7 @@ host setup. The mode is chosen once per process and named in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -79,7 +87,7 @@ class SandboxResult:
   timed_out: bool  # a CPU- or wall-time limit ended it
   killed_reason: str | None  # why it was stopped, if a limit or signal did
   truncated: bool  # stdout or stderr was cut to its head and tail
-  isolation: str  # "namespaces[+cgroup(...)]" or "rlimits-only"
+  isolation: str  # "namespaces[+seccomp][+cgroup(...)|+cgroup2(...)]" or "rlimits-only"
 
   @property
   def ok(self) -> bool:
@@ -118,6 +126,12 @@ class Sandbox:
   def isolation(self) -> str:
     return "namespaces" if namespaces_available() else "rlimits-only"
 
+  @property
+  def max_seconds(self) -> float:
+    """The longest a `run` can take: the wall limit, the launcher's grace,
+    then the wait for the killed process."""
+    return 2 * self.wall_seconds + _GRACE_SECONDS
+
   def run(self, code: str, stdin: str = "") -> SandboxResult:
     """Runs `code` as a script (`python3 -I main.py`) with `stdin`."""
     with tempfile.TemporaryFile() as code_f, tempfile.TemporaryFile() as in_f, \
@@ -127,12 +141,12 @@ class Sandbox:
         f.seek(0)
       files = dict(stdin=in_f, stdout=out_f, stderr=err_f)
       if self.isolation == "namespaces":
-        status, cgroups, hard_killed = self._run_namespaces(code_f, files)
+        status, cgroup_note, hard_killed = self._run_namespaces(code_f, files)
       else:
-        status, cgroups, hard_killed = self._run_rlimits_only(code_f, files)
+        status, cgroup_note, hard_killed = self._run_rlimits_only(code_f, files)
       stdout, cut_out = _read_budget(out_f, self.output_bytes)
       stderr, cut_err = _read_budget(err_f, self.output_bytes)
-    return self._result(status, cgroups, hard_killed, stdout, stderr,
+    return self._result(status, cgroup_note, hard_killed, stdout, stderr,
                         cut_out or cut_err)
 
   def _config(self, mode, code_fd, **extra):
@@ -152,11 +166,12 @@ class Sandbox:
     uid = UID_BASE + secrets.randbelow(UID_SPAN)
     config = self._config("namespaces", code_f.fileno(), status_fd=status_w,
                           uid=uid, cgroups=cgroups)
-    argv = [*_UNSHARE, sys.executable, "-I", "-S", _LAUNCHER, config]
     hard_killed = False
     try:
-      proc = subprocess.Popen(argv, **files, pass_fds=(code_f.fileno(), status_w),
-                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+      with _launcher(config, user_python("namespaces")) as (launcher, fds):
+        proc = subprocess.Popen([*_UNSHARE, *launcher], **files,
+                                pass_fds=(code_f.fileno(), status_w, *fds),
+                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
     except OSError as e:
       os.close(status_r)
       proc, status = None, {"error": f"could not start the sandbox: {e}"}
@@ -174,7 +189,9 @@ class Sandbox:
           hard_killed = True
         status = _parse_status(f.read(), proc.returncode)
     status["oom_kills"] = _remove_cgroups(cgroups)
-    return status, status.get("cgroups", []), hard_killed
+    joined = status.get("cgroups")  # e.g. "cgroup2(pids,memory)" in `isolation`
+    note = f"cgroup{_cgroup_version()}({','.join(joined)})" if joined else ""
+    return status, note, hard_killed
 
   def _run_rlimits_only(self, code_f, files):
     work_dir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
@@ -182,9 +199,10 @@ class Sandbox:
     config = self._config("rlimits-only", code_f.fileno(), work_dir=work_dir, nproc=nproc)
     status, hard_killed = {}, False
     try:
-      proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, config], **files,
-                              pass_fds=(code_f.fileno(),), start_new_session=True,
-                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+      with _launcher(config, user_python("rlimits-only")) as (launcher, fds):
+        proc = subprocess.Popen(launcher, **files, pass_fds=(code_f.fileno(), *fds),
+                                start_new_session=True,
+                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
       try:
         proc.wait(timeout=self.wall_seconds)
       except subprocess.TimeoutExpired:
@@ -196,9 +214,9 @@ class Sandbox:
       status["error"] = f"could not start the sandbox: {e}"
     finally:
       shutil.rmtree(work_dir, ignore_errors=True)
-    return status, [], hard_killed
+    return status, "", hard_killed
 
-  def _result(self, status, cgroups, hard_killed, stdout, stderr, truncated):
+  def _result(self, status, cgroup_note, hard_killed, stdout, stderr, truncated):
     exit_code = status.get("exit_code")
     timed_out = hard_killed or bool(status.get("timed_out"))
     reason = None
@@ -217,9 +235,23 @@ class Sandbox:
       else:
         reason = f"killed by signal {signal.Signals(sig).name}"
     isolation = self.isolation
-    if cgroups:
-      isolation += f"+cgroup({','.join(cgroups)})"
+    if status.get("seccomp"):
+      isolation += "+seccomp"
+    if cgroup_note:
+      isolation += f"+{cgroup_note}"
     return SandboxResult(stdout, stderr, exit_code, timed_out, reason, truncated, isolation)
+
+
+@contextlib.contextmanager
+def _launcher(config: str, python: str):
+  """(argv, fds): `python -I -S /dev/fd/L C` with the launcher's source on
+  fd L and its config on fd C, so pid 1's command line (which the sandboxed
+  code can read) names nothing but the interpreter the code runs on too."""
+  with open(_LAUNCHER, "rb") as source, tempfile.TemporaryFile() as config_f:
+    config_f.write(config.encode())
+    config_f.seek(0)
+    yield ([python, "-I", "-S", f"/dev/fd/{source.fileno()}",
+            str(config_f.fileno())], (source.fileno(), config_f.fileno()))
 
 
 @functools.cache
@@ -300,39 +332,72 @@ def _user_tasks(uid):
   return count
 
 
-def _own_cgroup(controller):
-  """The cgroup v1 dir of `controller` this process is in, if writable."""
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _proc_cgroups() -> list[tuple[str, str]]:
+  """(controllers, path) of each line of /proc/self/cgroup ("" controllers:
+  the cgroup v2 unified hierarchy)."""
   try:
     with open("/proc/self/cgroup") as f:
-      lines = f.read().splitlines()
+      return [tuple(line.split(":", 2)[1:]) for line in f.read().splitlines()]
   except OSError:
-    return None
-  for line in lines:
-    _, controllers, path = line.split(":", 2)
+    return []
+
+
+def _cgroup_version() -> str:
+  """"" (v1: a hierarchy per controller) or "2" (the unified hierarchy)."""
+  return "2" if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")) else ""
+
+
+def _own_cgroup(controller):
+  """Where this process's cgroups can get a per-run child limiting
+  `controller`: the v1 dir of that controller, or the v2 dir whose
+  `cgroup.subtree_control` enables it; None if not writable or not enabled.
+  (Under v2 a cgroup holding processes cannot enable controllers for its
+  children, so they must be delegated already, e.g. systemd `Delegate=`.)"""
+  for controllers, path in _proc_cgroups():
+    if _cgroup_version() == "2":
+      if controllers:
+        continue
+      base = os.path.join(CGROUP_ROOT, path.lstrip("/"))
+      try:
+        with open(os.path.join(base, "cgroup.subtree_control")) as f:
+          enabled = f.read().split()
+      except OSError:
+        return None
+      return base if controller in enabled and os.access(base, os.W_OK) else None
     if controller in controllers.split(","):
-      base = os.path.join("/sys/fs/cgroup", controller, path.lstrip("/"))
+      base = os.path.join(CGROUP_ROOT, controller, path.lstrip("/"))
       return base if os.access(base, os.W_OK) else None
   return None
 
 
+# The limit files of each controller, v1 then v2 (swap: only with swap accounting).
+_LIMITS = {"": {"pids": ("pids.max",),
+                "memory": ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")},
+           "2": {"pids": ("pids.max",), "memory": ("memory.max", "memory.swap.max")}}
+
+
 def _make_cgroups(name, *, pids_max, memory_bytes):
-  """{controller: dir} of fresh cgroups below ours, with their limits set."""
+  """{controller: dir} of fresh cgroups below ours, with their limits set
+  (under v2 both controllers share one dir)."""
   made = {}
-  settings = {"pids": [("pids.max", pids_max)],
-              "memory": [("memory.limit_in_bytes", memory_bytes),
-                         ("memory.memsw.limit_in_bytes", memory_bytes)]}
-  for controller, files in settings.items():
+  values = {"pids.max": pids_max, "memory.limit_in_bytes": memory_bytes,
+            "memory.memsw.limit_in_bytes": memory_bytes, "memory.max": memory_bytes,
+            "memory.swap.max": 0}
+  for controller, files in _LIMITS[_cgroup_version()].items():
     base = _own_cgroup(controller)
     if base is None:
       continue
     path = os.path.join(base, name)
     try:
-      os.mkdir(path)
-      for file, value in files:
-        if file == "memory.memsw.limit_in_bytes" and not os.path.exists(os.path.join(path, file)):
+      os.makedirs(path, exist_ok=True)
+      for file in files:
+        if file != files[0] and not os.path.exists(os.path.join(path, file)):
           continue  # no swap accounting in this kernel
         with open(os.path.join(path, file), "w") as f:
-          f.write(str(value))
+          f.write(str(values[file]))
       made[controller] = path
     except OSError:
       _remove_cgroups({controller: path})
@@ -342,12 +407,13 @@ def _make_cgroups(name, *, pids_max, memory_bytes):
 def _remove_cgroups(cgroups):
   """Kills anything left in them, removes them; returns the OOM-kill count."""
   oom_kills = 0
-  for path in cgroups.values():
-    try:
-      with open(os.path.join(path, "memory.oom_control")) as f:
-        oom_kills += sum(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
-    except OSError:
-      pass
+  for path in dict.fromkeys(cgroups.values()):
+    for file, key in (("memory.oom_control", "oom_kill "), ("memory.events", "oom_kill ")):
+      try:
+        with open(os.path.join(path, file)) as f:
+          oom_kills += sum(int(line.split()[1]) for line in f if line.startswith(key))
+      except OSError:
+        pass
     deadline = time.monotonic() + 5.0
     while os.path.isdir(path):
       try:

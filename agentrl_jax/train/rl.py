@@ -3,6 +3,9 @@
 One `RLTrainer.iteration(tasks, it)`:
 
   1. G rollouts per task through the RolloutEngine (policy version = it);
+     episodes that an environment fault ended ("env_error", "env_timeout")
+     are left out of training (their return is not the policy's doing) and
+     counted in `rollout/ended/<reason>`;
   2. collate into a fixed [tasks x G, bucket] batch (static shapes; a
      sliding-window context policy adds a row per extra view, rounded up to
      a multiple of tasks x G so the step sees few shapes);
@@ -35,9 +38,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from agentrl_jax import distributed, sharding
+from agentrl_jax import distributed, env_calls, sharding
 from agentrl_jax.envs.base import Task
-from agentrl_jax.rollout import RolloutEngine
+from agentrl_jax.rollout import STOP_REASONS, RolloutEngine
 from agentrl_jax.train import credit
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.train import step as step_lib
@@ -46,9 +49,12 @@ from agentrl_jax.trajectory import TokenBatch, Trajectory, bucket_length, collat
 
 # Rollout metrics that add up over processes, and those whose maximum counts.
 _SUMS = ("rollout/episodes", "rollout/env_steps", "rollout/branch_episodes",
-         "rollout/dropped_groups", "rollout/carried_episodes", "train/batch_tokens")
+         "rollout/dropped_groups", "rollout/carried_episodes", "train/batch_tokens",
+         *(f"rollout/ended/{r}" for r in STOP_REASONS))
 _MAXIMA = ("rollout/turns_max", "rollout/staleness_max", "rollout/env_wait_s",
-           "rollout/generation_s")
+           "rollout/generation_s", "rollout/env_call_max_s",
+           "rollout/env_calls_abandoned")
+_ENV_FAULTS = (env_calls.ENV_ERROR, env_calls.ENV_TIMEOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +141,8 @@ class RLTrainer:
     result = self.engine.run(distributed.task_share(tasks), cfg.group_size,
                              policy_version=it, seed=seed % 2**31,
                              token_budget=cfg.token_budget)
-    trajs = result.trajectories
+    trajs = [t for t in result.trajectories
+             if t.metadata["stop_reason"] not in _ENV_FAULTS]
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
     metrics["rollout/env_steps"] = float(sum(t.num_turns for t in trajs))
     if cfg.token_budget is not None:

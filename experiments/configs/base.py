@@ -2,10 +2,14 @@
 
 Each `experiments/configs/<name>.py` starts from `get_config()` here and
 changes what its environment or model needs. Every field can be overridden
-from the command line: `--config.rl.group_size=16`.
+from the command line: `--config.rl.group_size=16`. `validate(cfg)` checks a
+resolved config before any work starts (train_agent calls it first).
 """
 
 import ml_collections
+
+from agentrl_jax import envs, losses
+from agentrl_jax.train import credit, presets, step
 
 
 def get_config():
@@ -72,3 +76,63 @@ def get_config():
       # Partial rollouts: sampled tokens per iteration; None: episodes finish.
       token_budget=ml_collections.FieldReference(None, field_type=int)))
   return c
+
+
+class ConfigError(ValueError):
+  """A config no run could use."""
+
+
+def validate(cfg) -> None:
+  """Raises ConfigError naming each field no run could use."""
+  rules = [
+      ("iterations", cfg.iterations >= 0, "must be >= 0"),
+      ("eval_every", cfg.eval_every >= 1, "must be >= 1"),
+      ("checkpoint_every", cfg.checkpoint_every >= 1, "must be >= 1"),
+      ("eval_samples", cfg.eval_samples >= 0, "must be >= 0"),
+      ("optim.learning_rate", cfg.optim.learning_rate > 0, "must be > 0"),
+      ("rl_optim.learning_rate", cfg.rl_optim.learning_rate > 0, "must be > 0"),
+      ("sft.steps", cfg.sft.steps >= 0, "must be >= 0"),
+      ("sft.batch_size", cfg.sft.batch_size >= 1, "must be >= 1"),
+      ("sampler.num_slots", cfg.sampler.num_slots >= 1, "must be >= 1"),
+      ("rl.group_size", cfg.rl.group_size >= 1, "must be >= 1"),
+      ("rl.tasks_per_iteration", cfg.rl.tasks_per_iteration >= 1, "must be >= 1"),
+      ("rollout.max_turns", cfg.rollout.max_turns >= 1, "must be >= 1"),
+      ("rollout.env_workers", cfg.rollout.env_workers >= 1, "must be >= 1"),
+      ("rl.credit", cfg.rl.credit in credit.CREDIT_SCHEMES,
+       f"must be one of {credit.CREDIT_SCHEMES}"),
+      ("algorithm", cfg.algorithm in ("", *presets.PRESETS),
+       f"must be one of {('', *presets.PRESETS)}"),
+      ("loss.agg", cfg.loss.agg in losses.LOSS_AGG_MODES,
+       f"must be one of {losses.LOSS_AGG_MODES}"),
+      ("loss.kl_kind", cfg.loss.kl_kind in losses.KL_KINDS,
+       f"must be one of {losses.KL_KINDS}"),
+      ("loss.is_correction", cfg.loss.is_correction in step.IS_CORRECTIONS,
+       f"must be one of {step.IS_CORRECTIONS}"),
+      ("env.name", cfg.env.name in envs.registered(),
+       f"must be a registered environment: {envs.registered()}"),
+  ]
+  bad = [f"{name} = {_get(cfg, name)!r} {why}" for name, ok, why in rules if not ok]
+  if bad:
+    raise ConfigError("invalid config: " + "; ".join(bad))
+
+
+def _get(cfg, name: str):
+  for part in name.split("."):
+    cfg = cfg[part]
+  return cfg
+
+
+def unknown_field(cfg, overrides) -> str | None:
+  """The first `--config.a.b=...` override naming a field `cfg` lacks, as a
+  message listing the fields there are; None if every one exists."""
+  for arg in overrides:
+    if not arg.startswith("--config."):
+      continue
+    node, path = cfg, arg[len("--config."):].split("=")[0].split(".")
+    for depth, part in enumerate(path):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        where = ".".join(["config", *path[:depth]])
+        known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        return f"{arg}: {where} has no field {part!r}; its fields: {', '.join(known)}"
+      node = node[part]
+  return None
