@@ -175,7 +175,7 @@ def test_tool_call_is_fast_on_unclosed_tags(unit):
   for text in (hostile, distinct, "<think>" + hostile):
     t0 = time.thread_time()  # CPU time of this thread: holds on a loaded machine
     assert envs.tool_call(text) is None
-    # Measured here: 2-70 ms. The backtracking regexes took about an hour.
+    # Measured here (loaded machine): 1-36 ms. The backtracking regexes took about an hour.
     assert time.thread_time() - t0 < 0.1
 
 
@@ -186,4 +186,4 @@ def test_tool_call_is_linear_on_closed_tags():
                "<a>" * (2**20 // 3) + "</a>"):
     t0 = time.thread_time()
     envs.tool_call(text)
-    assert time.thread_time() - t0 < 1.0  # measured 0.1-0.2 s; quadratic: hours
+    assert time.thread_time() - t0 < 1.0  # measured 4-100 ms; quadratic: hours
