@@ -222,6 +222,9 @@ def branch_values_of(engine: RolloutEngine, tasks: Sequence[Task],
   continuations = engine.branch(
       [(task_of[trajs[i].metadata["task_id"]], trajs[i], t) for i, t in points],
       branch_size, policy_version=policy_version, seed=seed) if points else []
+  # A continuation an env fault ended estimates nothing: left out.
+  continuations = [[c for c in conts if c.metadata["stop_reason"] not in _ENV_FAULTS]
+                   for conts in continuations]
   values = credit.branch_returns(trajs, dict(zip(points, continuations)), gamma=gamma,
                                  num_turns=engine.config.max_turns)
   steps = sum(c.num_turns - t for (_, t), conts in zip(points, continuations)
