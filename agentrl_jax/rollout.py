@@ -25,7 +25,7 @@ one costs bounded work.
 
 Each finished episode is recorded as a `Trajectory` whose ids are exactly
 what the sampler consumed and produced: SYSTEM = the prompt delta,
-ASSISTANT = the sampled tokens (stop sequence included) with their raw
+ASSISTANT = the sampled tokens (the stop's tokens included) with their raw
 log-probs, OBSERVATION = the observation delta (wrapper and next assistant
 header included). A terminated episode ends on its last action; a truncated
 one (turn budget, or the environment's truncation) ends on the observation
@@ -199,7 +199,9 @@ class RolloutEngine:
                           else getattr(probe, "system_prompt", ""))
     self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
     probe.close()
-    self.stops = chat_format.stop_sequences(tokenizer, extra=self.stop_strings)
+    self.stops = chat_format.stop_matcher(
+        tokenizer, extra=self.stop_strings,
+        vocab_size=sampler.cfg.vocab_size if sampler is not None else None)
     # Expert episodes obey the same context budget as sampled ones would.
     self.max_context = (sampler.cache_length if sampler is not None
                         else config.max_context)
@@ -566,7 +568,7 @@ class RolloutEngine:
             for ep in ready]
     cfg = self.config
     self._state, actions = sampler.decode(
-        self._state, [ep.slot for ep in ready], stop_sequences=self.stops,
+        self._state, [ep.slot for ep in ready], stops=self.stops,
         max_new_tokens=room, temperature=self._temperature, top_k=cfg.top_k,
         top_p=cfg.top_p)
     stats.decode_calls += 1

@@ -12,12 +12,16 @@
 4. The same episode (extend) with decode attending over the default cache
    windows (S/4, S/2, S: the smallest that holds the contexts) vs always
    over the whole cache.
+5. Stop strings matched on text (`sampling.stops`) at a real vocabulary
+   size: a tiny Llama with the 151,665-id Qwen2.5 vocabulary decoding with
+   8 stop strings plus EOS vs with no stops, and the tables' memory.
 
 Timings are medians of 3 runs after a warm-up run that compiles everything
 (in 4, the two variants' runs alternate).
 """
 
 import argparse
+import time
 
 from common import llama_pair, median_time, median_times
 from flax import nnx
@@ -26,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from agentrl_jax.sampling import Sampler, SamplingParams, sample
+from agentrl_jax import models
+from agentrl_jax import tokenizer as tok_lib
+from agentrl_jax.sampling import Sampler, SamplingParams, sample, stops as stops_lib
 
 
 def main():
@@ -122,6 +128,37 @@ def main():
   print(f"  re-prefill every turn          {t_re:7.2f} s   extend cost = {t_ext / t_re:.2f}x")
   print(f"  extend, decode over whole cache {t_whole:5.2f} s   "
         f"windows {ep.attention_windows} speed-up = {t_whole / t_ext:.2f}x")
+
+  # 5: stops on text, Qwen2.5 vocabulary. The runs must decode every token
+  # (a stop hit by chance would shorten one): checked.
+  vocab = 151665
+  qwen = tok_lib.qwen2_tokenizer()
+  tags = ["</search>", "</answer>", "</python>", "</submit>", "</move>", "</calc>",
+          "</think>"]  # with ChatML's <|im_end|>: 8 strings, plus the EOS id
+  t0 = time.perf_counter()
+  matcher = tok_lib.CHATML.stop_matcher(qwen, extra=tags, vocab_size=vocab)
+  t_build = time.perf_counter() - t0
+  big = models.Decoder(models.tiny_config("llama", vocab_size=vocab), rngs=nnx.Rngs(0))
+  qs = Sampler(big, num_slots=b, cache_length=args.prompt + n, max_decode_length=n,
+               length_buckets=(args.prompt,))
+  qprompts = rng.integers(0, 151643, (b, args.prompt))
+  none = stops_lib.StopMatcher.from_token_sequences((), vocab)
+
+  def decode_with(stops):
+    state = qs.prefill(qs.init_state(0), slots, qprompts)
+    _, actions = qs.decode(state, slots, stops=stops, max_new_tokens=n)
+    assert all(len(a.tokens) == n for a in actions.values()), "a stop shortened a run"
+
+  t_none, t_stops = median_times([lambda: decode_with(none), lambda: decode_with(matcher)], 5)
+  tables = matcher.tables(qs.max_stop_states, qs.max_stop_classes, vocab)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(tables))
+  print(f"\nstops on text, vocab {vocab} (tiny Llama, d=128), {len(tags) + 1} stop strings "
+        f"+ EOS: {matcher.num_states} states, {matcher.num_classes} token classes, "
+        f"tables {nbytes / 2**20:.2f} MiB (padded to {qs.max_stop_states} x "
+        f"{qs.max_stop_classes}), built in {t_build:.1f} s")
+  print(f"  decode without stops           {b * n / t_none:9.0f} tok/s")
+  print(f"  decode with the stops          {b * n / t_stops:9.0f} tok/s   "
+        f"overhead = {100 * (t_stops / t_none - 1):+.1f}%")
 
 
 if __name__ == "__main__":

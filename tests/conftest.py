@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # pylint: disable=wrong-import-position
+import pytest  # pylint: disable=wrong-import-position
 
 # In case a plugin imported JAX before the variables were set.
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -50,3 +51,9 @@ def assert_stays_over(env, actions):
     assert (after.observation, after.reward, after.terminated, after.truncated) == (
         EPISODE_OVER, 0.0, True, False)
     assert after.info["after_end"] and set(after.info["reward_parts"].values()) == {0.0}
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+  """The real Qwen2/2.5 vocabulary (`tokenizer.qwen2_tokenizer`)."""
+  return T.qwen2_tokenizer()

@@ -233,8 +233,8 @@ def test_cache_full_and_input_errors(model):
   assert sampler.decode(state, []) == (state, {})
   with pytest.raises(ValueError, match="include cache_length"):
     Sampler(model, num_slots=2, cache_length=20, attention_windows=(8, 16))
-  with pytest.raises(ValueError, match="stop sequences > max"):
-    sampler.decode(state, [1], stop_sequences=[[1]] * 9)
+  with pytest.raises(ValueError, match="the stops need 131 automaton states"):
+    sampler.decode(state, [1], stop_sequences=[[t] * 65 for t in (1, 2)])
 
 
 # -- Sampling controls --------------------------------------------------------------------

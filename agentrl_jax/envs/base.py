@@ -135,7 +135,7 @@ class TextEnvironment(abc.ABC):
   Subclasses implement `_reset(task) -> observation` and
   `_step(action) -> (observation, parts: dict, terminated, info)`, and set
   `system_prompt` and `stop_strings` (the tool tags that end an action; the
-  rollout adds them to the sampler's stop sequences). This class turns any
+  rollout adds them to the sampler's stops). This class turns any
   exception in `_step` into an observation with the format penalty, sums
   the reward parts and counts turns.
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Sequence
 
 import flax.struct
@@ -79,7 +80,7 @@ class _DecodeBuffers:
 class Action:
   """What one slot generated in one `decode` call."""
 
-  tokens: list[int]  # including the stop sequence the model emitted
+  tokens: list[int]  # including the token that completed a stop
   raw_logprobs: list[float]  # log pi(token), temperature 1: the trainer's
   sampled_logprobs: list[float]  # under the distribution sampled from
   stop_reason: int  # STOP_SEQUENCE, STOP_BUDGET or STOP_CACHE_FULL
@@ -92,12 +93,15 @@ class Sampler:
     cache_length; None: S/4, S/2, S); fewer windows, fewer programs.
   mesh: None (one device), or a `sharding.make_mesh` mesh to place the
     parameters, the cache and the per-slot state on.
+  max_stop_states, max_stop_classes: the stop automaton's fixed table shape
+    (8 tool tags over the 151,665-token Qwen2.5 vocabulary: 62 states and
+    124 classes).
   """
 
   def __init__(self, model: Decoder, *, num_slots: int, cache_length: int,
                max_decode_length: int = 256,
                length_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024),
-               max_stop_sequences: int = 8, max_stop_length: int = 8,
+               max_stop_states: int = 128, max_stop_classes: int = 256,
                attention_windows: Sequence[int] | None = None,
                mesh: jax.sharding.Mesh | None = None):
     self.cfg = model.cfg
@@ -111,7 +115,9 @@ class Sampler:
       raise ValueError(f"attention_windows must lie in [1, cache_length] and include "
                        f"cache_length {cache_length}, got {windows}")
     self.attention_windows = tuple(windows)
-    self.max_stop_sequences, self.max_stop_length = max_stop_sequences, max_stop_length
+    # The stop automaton's tables are padded to these (sampling/stops.py):
+    # any stop set that fits runs in the same compiled decode.
+    self.max_stop_states, self.max_stop_classes = max_stop_states, max_stop_classes
     self.compile_counts: collections.Counter = collections.Counter()
     if mesh is None:
       self.params, self._param_sharding, self._init_jit = params, None, None
@@ -186,7 +192,8 @@ class Sampler:
         state = self.prefill(state, slots, [[0] * min(length, self.cache_length - 1)] * r)
       state = self.prefill(state, slots, [[0]] * r)  # a context that fits any window
       for window in self.attention_windows:
-        state, _ = self._decode_call(state, slots, 1, (), 1.0, 0, 1.0, window)
+        state, _ = self._decode_call(state, slots, 1, _id_stops((), self.cfg.vocab_size),
+                                       1.0, 0, 1.0, window)
     return self.release(state, list(range(self.num_slots)))
 
   # -- Host entry points -----------------------------------------------------------
@@ -237,16 +244,19 @@ class Sampler:
     return state
 
   def decode(self, state: SamplerState, slots: Sequence[int], *,
+             stops: stops_lib.StopMatcher | None = None,
              stop_sequences: Sequence[Sequence[int]] = (),
              max_new_tokens: int | Sequence[int] | None = None,
              temperature=1.0, top_k=0, top_p=1.0
              ) -> tuple[SamplerState, dict[int, Action]]:
-    """Samples for `slots` until each hits a stop sequence, its budget or the
+    """Samples for `slots` until each hits a stop, its budget or the
     cache end. The other slots are untouched.
 
     Args:
-      stop_sequences: token-id sequences; the emitted stop tokens are part of
-        the action. Include the EOS id as a one-token sequence.
+      stops: stop strings matched on the text the tokens spell, and stop ids
+        (`StopMatcher.from_strings`, e.g. `ChatFormat.stop_matcher`); the
+        token that completes a stop is the action's last.
+      stop_sequences: or stops as token-id sequences (ignored with `stops`).
       max_new_tokens: per-slot (or shared) budget, at most max_decode_length.
       temperature, top_k, top_p: scalars or per-slot sequences (0 temperature
         = greedy); arrays inside the jit, so changing them never recompiles.
@@ -267,11 +277,13 @@ class Sampler:
     # its new tokens: decoding streams the window's keys each step.
     need = int(np.max(np.asarray(state.lengths)[slots] + budget))
     window = next((w for w in self.attention_windows if w >= need), self.cache_length)
-    return self._decode_call(state, slots, budget, stop_sequences, temperature, top_k,
-                             top_p, window)
+    if stops is None:
+      stops = _id_stops(tuple(tuple(int(t) for t in seq) for seq in stop_sequences),
+                        self.cfg.vocab_size)
+    return self._decode_call(state, slots, budget, stops, temperature, top_k, top_p,
+                             window)
 
-  def _decode_call(self, state, slots, budget, stop_sequences, temperature, top_k,
-                   top_p, window):
+  def _decode_call(self, state, slots, budget, stops, temperature, top_k, top_p, window):
     rows = self._row_bucket(len(slots))
 
     def per_row(x, dtype, pad=0):
@@ -284,9 +296,8 @@ class Sampler:
     sampling = SamplingParams(
         temperature=per_row(temperature, np.float32),
         top_k=per_row(top_k, np.int32), top_p=per_row(top_p, np.float32, pad=1.0))
-    table = stops_lib.StopTable.make(stop_sequences, self.max_stop_sequences,
-                                     self.max_stop_length)
-    state, out = self._decode_jit(self.params, state, slot_idx, budget, table, sampling,
+    tables = stops.tables(self.max_stop_states, self.max_stop_classes, self.cfg.vocab_size)
+    state, out = self._decode_jit(self.params, state, slot_idx, budget, tables, sampling,
                                   window)
     out = jax.device_get(out)
     actions = {}
@@ -332,7 +343,7 @@ class Sampler:
         cache=cache, lengths=put(state.lengths, start + n_new),
         next_logits=put(state.next_logits, logits))
 
-  def _decode_impl(self, params, state, slot_idx, budget, table, sampling, window):
+  def _decode_impl(self, params, state, slot_idx, budget, stop_tables, sampling, window):
     self.compile_counts["decode"] += 1  # runs only while tracing
     model = nnx.merge(self.graphdef, params)
     t_max, s_len = self.max_decode_length, self.cache_length
@@ -353,14 +364,14 @@ class Sampler:
         sampled_logprobs=jnp.zeros((b, t_max), jnp.float32),
         num_tokens=jnp.zeros(b, jnp.int32),
         stop_reason=jnp.full(b, STOP_NONE, jnp.int32))
-    tail = stops_lib.empty_tail(b, self.max_stop_length)
+    stop_state = jnp.zeros(b, jnp.int32)  # each action matches afresh
 
     def cond(carry):
       step, _, _, live, _ = carry
       return (step < t_max) & jnp.any(live)
 
     def body(carry):
-      step, sub, out, live, tail = carry
+      step, sub, out, live, stop_state = carry
       rng, key = jax.random.split(sub.rng)
       token, raw, sampled = sample(key, sub.next_logits, sampling)
       # Every live row has generated exactly `step` tokens so far.
@@ -375,8 +386,8 @@ class Sampler:
       logits = model.logits(hidden[:, 0]).astype(jnp.float32)
       lengths = sub.lengths + live
       count = out.num_tokens + live
-      tail = jnp.where(live[:, None], stops_lib.push(tail, token), tail)
-      hit_stop = live & stops_lib.matches(tail, table)
+      stop_state, hit_stop = stops_lib.advance(stop_tables, stop_state, token)
+      hit_stop = live & hit_stop
       hit_budget = live & (count >= budget)
       hit_full = live & (lengths >= s_len)
       reason = jnp.where(hit_stop, STOP_SEQUENCE, jnp.where(
@@ -385,10 +396,10 @@ class Sampler:
           cache=cache, lengths=lengths, rng=rng,
           next_logits=jnp.where(live[:, None], logits, sub.next_logits))
       out = out.replace(num_tokens=count, stop_reason=reason)
-      return step + 1, sub, out, live & ~(hit_stop | hit_budget | hit_full), tail
+      return step + 1, sub, out, live & ~(hit_stop | hit_budget | hit_full), stop_state
 
     _, sub, out, _, _ = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), sub, buffers, live, tail))
+        cond, body, (jnp.int32(0), sub, buffers, live, stop_state))
     put = lambda full, part: full.at[slot_idx].set(part, mode="drop")
     put_window = lambda full, part: full.at[slot_idx, :, :window].set(part, mode="drop")
     state = state.replace(
@@ -397,3 +408,9 @@ class Sampler:
         lengths=put(state.lengths, sub.lengths),
         next_logits=put(state.next_logits, sub.next_logits), rng=sub.rng)
     return state, out
+
+
+@functools.lru_cache(maxsize=64)
+def _id_stops(sequences: tuple[tuple[int, ...], ...], vocab_size: int
+              ) -> stops_lib.StopMatcher:
+  return stops_lib.StopMatcher.from_token_sequences(sequences, vocab_size)
