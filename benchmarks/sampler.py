@@ -14,7 +14,8 @@
    over the whole cache.
 5. Stop strings matched on text (`sampling.stops`) at a real vocabulary
    size: a tiny Llama with the 151,665-id Qwen2.5 vocabulary decoding with
-   8 stop strings plus EOS vs with no stops, and the tables' memory.
+   8 stop strings plus EOS vs the same decode compiled with the automaton
+   step removed, and the tables' memory. `--stops_only` runs just this.
 
 Timings are medians of 3 runs after a warm-up run that compiles everything
 (in 4, the two variants' runs alternate).
@@ -43,7 +44,11 @@ def main():
   p.add_argument("--turns", type=int, default=8)
   p.add_argument("--action", type=int, default=64)
   p.add_argument("--observation", type=int, default=128)
+  p.add_argument("--stops_only", action="store_true")
   args = p.parse_args()
+  if args.stops_only:
+    stop_overhead(args)
+    return
   b, n = args.slots, args.new_tokens
 
   tmodel, model = llama_pair()
@@ -128,9 +133,13 @@ def main():
   print(f"  re-prefill every turn          {t_re:7.2f} s   extend cost = {t_ext / t_re:.2f}x")
   print(f"  extend, decode over whole cache {t_whole:5.2f} s   "
         f"windows {ep.attention_windows} speed-up = {t_whole / t_ext:.2f}x")
+  stop_overhead(args)
 
-  # 5: stops on text, Qwen2.5 vocabulary. The runs must decode every token
-  # (a stop hit by chance would shorten one): checked.
+
+def stop_overhead(args):
+  """5: stops on text, Qwen2.5 vocabulary. The runs must decode every token
+  (a stop hit by chance would shorten one): checked."""
+  b, n, slots = args.slots, args.new_tokens, list(range(args.slots))
   vocab = 151665
   qwen = tok_lib.qwen2_tokenizer()
   tags = ["</search>", "</answer>", "</python>", "</submit>", "</move>", "</calc>",
@@ -139,24 +148,33 @@ def main():
   matcher = tok_lib.CHATML.stop_matcher(qwen, extra=tags, vocab_size=vocab)
   t_build = time.perf_counter() - t0
   big = models.Decoder(models.tiny_config("llama", vocab_size=vocab), rngs=nnx.Rngs(0))
-  qs = Sampler(big, num_slots=b, cache_length=args.prompt + n, max_decode_length=n,
-               length_buckets=(args.prompt,))
-  qprompts = rng.integers(0, 151643, (b, args.prompt))
-  none = stops_lib.StopMatcher.from_token_sequences((), vocab)
+  kw = dict(num_slots=b, cache_length=args.prompt + n, max_decode_length=n,
+            length_buckets=(args.prompt,))
+  with_stops, without = Sampler(big, **kw), Sampler(big, **kw)
+  prompts = np.random.default_rng(0).integers(0, 151643, (b, args.prompt))
 
-  def decode_with(stops):
-    state = qs.prefill(qs.init_state(0), slots, qprompts)
-    _, actions = qs.decode(state, slots, stops=stops, max_new_tokens=n)
+  def decode_with(sampler):
+    state = sampler.prefill(sampler.init_state(0), slots, prompts)
+    _, actions = sampler.decode(state, slots, stops=matcher, max_new_tokens=n)
     assert all(len(a.tokens) == n for a in actions.values()), "a stop shortened a run"
 
-  t_none, t_stops = median_times([lambda: decode_with(none), lambda: decode_with(matcher)], 5)
-  tables = matcher.tables(qs.max_stop_states, qs.max_stop_classes, vocab)
+  # The baseline's decode is traced with the automaton step as a no-op.
+  real = stops_lib.advance
+  stops_lib.advance = lambda tables, state, tokens: (state, jnp.zeros(tokens.shape, bool))
+  try:
+    decode_with(without)
+  finally:
+    stops_lib.advance = real
+  t_none, t_stops = median_times([lambda: decode_with(without),
+                                  lambda: decode_with(with_stops)], 5)
+  tables = matcher.tables(with_stops.max_stop_states, with_stops.max_stop_classes, vocab)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(tables))
-  print(f"\nstops on text, vocab {vocab} (tiny Llama, d=128), {len(tags) + 1} stop strings "
-        f"+ EOS: {matcher.num_states} states, {matcher.num_classes} token classes, "
-        f"tables {nbytes / 2**20:.2f} MiB (padded to {qs.max_stop_states} x "
-        f"{qs.max_stop_classes}), built in {t_build:.1f} s")
-  print(f"  decode without stops           {b * n / t_none:9.0f} tok/s")
+  print(f"\nstops on text, vocab {vocab} (tiny Llama, d=128), {b} slots, {n} new "
+        f"tokens, {len(tags) + 1} stop strings + EOS: {matcher.num_states} states, "
+        f"{matcher.num_classes} token classes, tables {nbytes / 2**20:.2f} MiB (padded "
+        f"to {with_stops.max_stop_states} x {with_stops.max_stop_classes}), built in "
+        f"{t_build:.1f} s")
+  print(f"  decode, no stop step           {b * n / t_none:9.0f} tok/s")
   print(f"  decode with the stops          {b * n / t_stops:9.0f} tok/s   "
         f"overhead = {100 * (t_stops / t_none - 1):+.1f}%")
 
