@@ -522,22 +522,34 @@ class RolloutEngine:
       # value head is trained, after an observation and an assistant header.
       if ep.length + len(delta) <= self.max_context:
         ep.segments.append(Segment(Role.OBSERVATION, delta))
+        if self.config.context_window is not None:
+          self._slide_window(ep)  # the window the value is read in
+          ep.context_starts.append(ep.context_start)
       ep.finish("env_truncated" if result.truncated else "max_turns")
       return
     ep.segments.append(Segment(Role.OBSERVATION, delta))
     ep.pending = delta
-    window = self.config.context_window
-    if window is not None and len(ep.rewards) > window:
-      # The window moves: the next action sees the prompt and the last k
-      # turns, so the slot restarts from that context (its cached keys and
-      # positions no longer match).
-      actions = [i for i, s in enumerate(ep.segments) if s.role == Role.ASSISTANT]
-      ep.context_start = actions[-window]
+    if self._slide_window(ep):
+      # The slot restarts from the new window (its cached keys and positions
+      # no longer match).
       ep.pending = [t for s in ep.context for t in s.token_ids]
       ep.fresh = True
     if ep.length + 1 > self.max_context:  # no room for another action
       ep.segments.pop()
       ep.finish("context")
+
+  def _slide_window(self, ep: _Episode) -> bool:
+    """Moves the window once an episode has more turns than it holds.
+
+    The next action sees the prompt and the last k turns. Returns whether
+    the window moved.
+    """
+    window = self.config.context_window
+    if window is None or len(ep.rewards) <= window:
+      return False
+    actions = [i for i, s in enumerate(ep.segments) if s.role == Role.ASSISTANT]
+    ep.context_start = actions[-window]
+    return True
 
   def _clip_observation(self, text: str) -> str:
     budget = self.config.max_observation_tokens

@@ -107,7 +107,9 @@ class Trajectory:
     per ASSISTANT segment: when it sampled action k the sampler held only the
     leading SYSTEM segments and `segments[context_starts[k]:]` up to action
     k. Training then teacher-forces each action in that context
-    (`flatten_views`).
+    (`flatten_views`). A trajectory that ends on an observation (truncated:
+    the state its return bootstraps from) may have one entry more, the window
+    the next action would have seen.
   """
 
   segments: list[Segment] = dataclasses.field(default_factory=list)
@@ -145,12 +147,14 @@ class Trajectory:
         raise ValueError(f"turn rewards must be finite, got {self.turn_rewards}")
     if self.context_starts is not None:
       starts, actions = self.context_starts, self._action_indices()
-      if len(starts) != len(actions):
+      ends_on_observation = self.segments[-1].role == Role.OBSERVATION
+      if len(starts) != len(actions) + (ends_on_observation and len(starts) > len(actions)):
         raise ValueError(
             f"context_starts has {len(starts)} entries but the trajectory has "
-            f"{len(actions)} ASSISTANT segments")
+            f"{len(actions)} ASSISTANT segments (one more entry is allowed only "
+            "when it ends on an observation)")
       n_sys = self._num_leading_system()
-      for k, (start, act) in enumerate(zip(starts, actions)):
+      for k, (start, act) in enumerate(zip(starts, [*actions, len(self.segments) - 1])):
         if not n_sys <= start <= act:
           raise ValueError(
               f"context_starts[{k}]={start} must lie between the leading SYSTEM "
@@ -192,7 +196,7 @@ class Trajectory:
   def _view_groups(self) -> list[tuple[int, list[int]]]:
     """(context start, actions sampled in that context), in order."""
     groups: list[tuple[int, list[int]]] = []
-    for k, start in enumerate(self.context_starts):
+    for k, start in enumerate(self.context_starts[:self.num_turns]):
       if groups and groups[-1][0] == start:
         groups[-1][1].append(k)
       else:
@@ -204,7 +208,15 @@ class Trajectory:
     """How many sequences `flatten_views` returns."""
     if self.context_starts is None:
       return 1
-    return max(len(self._view_groups()), 1)
+    return max(len(self._view_groups()), 1) + (self._bootstrap_start() is not None)
+
+  def _bootstrap_start(self) -> int | None:
+    """Start of the final state's window when it differs from the last action's."""
+    starts = self.context_starts
+    if (starts is None or self.num_turns == 0 or len(starts) == self.num_turns
+        or starts[-1] == starts[-2]):
+      return None
+    return starts[-1]
 
   def flatten_views(self) -> list[FlatTrajectory]:
     """The contexts the policy acted in, as one FlatTrajectory each.
@@ -216,12 +228,18 @@ class Trajectory:
     trajectory's end). Only those actions carry loss mask, turn index and
     log-probs; earlier actions still inside the window are context (mask 0,
     turn -1), since their loss belongs to the view they were sampled in.
+    When the final state's window (the extra `context_starts` entry) moved
+    past the last action's, the last action's view ends at that action and
+    one more view, with no trained tokens, holds the final state in the
+    window the next action would have seen: its value is the bootstrap.
     """
     self.validate()
     if self.context_starts is None or not self.context_starts:
       return [self.flatten_all()]
     n_sys, actions = self._num_leading_system(), self._action_indices()
-    groups = self._view_groups()
+    groups, final = self._view_groups(), self._bootstrap_start()
+    if final is not None:
+      groups.append((final, []))
     views = []
     for g, (start, turns) in enumerate(groups):
       end = len(self.segments) if g == len(groups) - 1 else actions[turns[-1]] + 1

@@ -95,20 +95,25 @@ def test_gae_reads_values_at_turn_starts_and_bootstraps_truncation():
     credit.assign("vtrace", trajs, batch)
 
 
-def test_gae_under_a_sliding_window_reads_each_turn_in_its_own_view():
-  # Trajectory 2 (3 turns, truncated) with a window: turn 2 saw the prompt
-  # and turn 1 only (segments: S 0, A0 1, O 2, A1 3, O 4, A2 5, O 6).
+# Trajectory 2 (3 turns, truncated) with a window: turn 2 saw the prompt and
+# turn 1 only (segments: S 0, A0 1, O 2, A1 3, O 4, A2 5, O 6). View 0:
+# S(0-2) A0(3-4) O(5-6) A1(7-9): V(s_0) at 2 -> 30, V(s_1) at 6 -> 70. View 1:
+# S(0-2) A1(3-5) O(6-7) A2(8-11) [O(12-13)]: V(s_2) at 7 -> 80. The bootstrap:
+# without the final state's own window, at view 1's last token 13 -> 140 (not
+# view 0's); with it (the extra entry 5, as the rollout records it when the
+# window moved once more), at the end of S(0-2) A2(3-6) O(7-8) -> 90.
+@pytest.mark.parametrize("starts, want_bootstrap", [([1, 1, 3], 140.0),
+                                                    ([1, 1, 3, 5], 90.0)])
+def test_gae_under_a_sliding_window_reads_each_turn_in_its_own_view(starts,
+                                                                   want_bootstrap):
   trajs = _trajs()
-  trajs[2].context_starts = [1, 1, 3]
+  trajs[2].context_starts = starts
   for pack in (False, True):
     batch = collate(trajs, buckets=(32,), pack=pack)
     token_values = (10.0 * (batch.positions + 1)).astype(np.float32)
     values, bootstrap = credit.turn_values_from_tokens(token_values, batch, 4, 3)
-    # View 0: S(0-2) A0(3-4) O(5-6) A1(7-9): V(s_0) at 2 -> 30, V(s_1) at 6 -> 70.
-    # View 1: S(0-2) A1(3-5) O(6-7) A2(8-11) O(12-13): V(s_2) at 7 -> 80, and
-    # the bootstrap at its last token 13 -> 140 (not view 0's last token).
     np.testing.assert_allclose(values[2], [30.0, 70.0, 80.0])
-    assert bootstrap[2] == 140.0
+    assert bootstrap[2] == want_bootstrap
     np.testing.assert_allclose(values[0], [30.0, 70.0, 0.0])
     assert bootstrap[0] == 120.0
 

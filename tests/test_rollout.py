@@ -461,6 +461,32 @@ def test_gae_bootstraps_a_real_truncated_rollout_where_the_value_head_trains(
     np.testing.assert_allclose(got.advantages[on], want, rtol=1e-5, atol=1e-6)
 
 
+def test_gae_bootstrap_under_a_sliding_window_is_read_in_the_next_actions_window(tok):
+  from agentrl_jax.train import credit
+  model = models.Decoder(models.tiny_config("llama", value_head=True), rngs=nnx.Rngs(3))
+  sampler = Sampler(model, num_slots=2, cache_length=256, max_decode_length=16,
+                    length_buckets=(16, 32, 64))
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=6, context_window=1))
+  trajs = engine.run(_tasks(2, steps=(9,))).trajectories
+  for t in trajs:
+    assert t.metadata["stop_reason"] == "max_turns" and t.num_turns == 3
+    # Segments: prompt 0, action k at 1 + 2k, the final observation at 6.
+    # The next action would have seen the prompt and the last turn only.
+    assert t.context_starts == [1, 1, 3, 5] and t.num_views == 3
+  batch = collate(trajs, buckets=(256,))
+  values = np.asarray(model.values(model.hidden_states(
+      jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+      seq_ids=jnp.asarray(batch.seq_ids))[0]))
+  _, bootstrap = credit.turn_values_from_tokens(values, batch, len(trajs), 3)
+  for i, t in enumerate(trajs):
+    # Independently: the value head on prompt + last action + final state.
+    ids = [x for k in (0, 5, 6) for x in t.segments[k].token_ids]
+    alone = model.values(model.hidden_states(
+        jnp.asarray([ids]), jnp.arange(len(ids))[None], seq_ids=jnp.zeros((1, len(ids)), jnp.int32))[0])
+    np.testing.assert_allclose(bootstrap[i], alone[0, -1], rtol=1e-5, atol=1e-6)
+
+
 _RELEASE = threading.Event()  # set at the end of the fault test: hung calls return
 
 

@@ -393,6 +393,17 @@ def test_sliding_window_views_by_hand():
   # Each action is trained exactly once over all views.
   total = sum(v.loss_mask.sum() for v in traj.flatten_views())
   assert total == traj.flatten_all().loss_mask.sum() == 6
+  # With the final state's own window (the extra entry): the last action's
+  # view stops at it, and a view with nothing trained holds the final state.
+  boot = Trajectory(traj.segments, 1.0, context_starts=[1, 1, 3, 5])
+  views = boot.flatten_views()
+  assert boot.num_views == len(views) == 3
+  np.testing.assert_array_equal(views[1].ids, [1, 2, 20, 21, 25, 30, 31])
+  np.testing.assert_array_equal(views[2].ids, [1, 2, 30, 31, 35])
+  assert views[2].loss_mask.sum() == 0 and (views[2].turn_index == -1).all()
+  assert sum(v.loss_mask.sum() for v in views) == 6
+  # An extra entry equal to the last action's adds nothing.
+  assert Trajectory(traj.segments, 1.0, context_starts=[1, 1, 3, 3]).num_views == 2
   # An all-prompt window is the append-only trajectory.
   whole = Trajectory(traj.segments, 1.0, context_starts=[1, 1, 1])
   (only,) = whole.flatten_views()
@@ -433,9 +444,12 @@ def test_sliding_window_collate_rows_seq_ids_and_painting():
 def test_sliding_window_validation_and_truncation():
   segs = windowed_traj().segments
   for starts, match in [([1, 1], "has 2 entries"), ([0, 1, 1], "between"),
-                        ([1, 5, 5], "between"), ([1, 3, 1], "must not decrease")]:
+                        ([1, 5, 5], "between"), ([1, 3, 1], "must not decrease"),
+                        ([1, 1, 3, 5, 5], "has 5 entries"), ([1, 1, 3, 1], "must not decrease")]:
     with pytest.raises(ValueError, match=match):
       Trajectory(segs, 1.0, context_starts=starts).validate()
+  with pytest.raises(ValueError, match="only when it ends on an observation"):
+    Trajectory(segs[:-1], 1.0, context_starts=[1, 1, 3, 5]).validate()
   with pytest.raises(ValueError, match="sliding-window"):
     windowed_traj().to_steps()
   cut = truncate_to(windowed_traj(), 7)  # S S A0 A0 O0 A1 A1

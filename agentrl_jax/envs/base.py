@@ -59,7 +59,7 @@ def strip_think(text: str) -> str:
 
 
 def tool_call(action: str) -> tuple[str, str] | None:
-  """(tag, raw body) of the first `<tag>body</tag>` outside <think> blocks.
+  r"""(tag, raw body) of the first `<tag>body</tag>` outside <think> blocks.
 
   The first opening tag with a closing tag of its name after it; the body
   runs to the first such closing. Linear time: one pass records each name's

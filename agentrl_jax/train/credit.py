@@ -45,8 +45,9 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
   at each trajectory's last token when that is not an action token: a
   truncated episode ends on the observation after its last action and the
   next assistant header (the state after its last turn; under a sliding
-  window, the last token of the view holding its last turn), the same kind
-  of position the value head is trained at. An episode that ends on an
+  window, read in the window the next action would have seen: the view with
+  no trained tokens when the window moved, else the view holding its last
+  turn), the same kind of position the value head is trained at. An episode that ends on an
   action has no next state (it terminated, or the next observation did not
   fit the context, so nothing could follow): bootstrap 0.
   """
@@ -67,6 +68,8 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
   best = np.full(num_trajs, -2)
   for r, c in zip(*np.nonzero(last)):
     i, turn = seq_ids[r, c], run_turn[run_id[r, c]]
+    if turn < 0:  # the final state's own view (no trained tokens) wins
+      turn = num_turns
     if turn > best[i]:
       best[i] = turn
       bootstrap[i] = token_values[r, c] if turn_index[r, c] < 0 else 0.0
