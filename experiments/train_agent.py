@@ -170,7 +170,7 @@ def run(cfg, workdir) -> dict | None:
       writer.write(step, m, prefix=prefix)
 
   # -- SFT warm start ------------------------------------------------------------------
-  if progress["phase"] == "sft":
+  if progress["phase"] == "sft" and cfg.sft.steps > 0:  # 0: the model already acts
     # Every host makes the same (scripted, seeded) demos: SFT batches are
     # global values that each host places its shards of.
     demos = sft.expert_demos(engine, train_tasks[:cfg.sft.num_demos])
@@ -189,7 +189,8 @@ def run(cfg, workdir) -> dict | None:
                         seed=cfg.seed, on_step=on_step)
     bar.close()
     sampler.update_params(state.params)
-    # RL starts from the SFT policy: it is also the KL reference.
+  if progress["phase"] == "sft":
+    # RL starts from the SFT (or loaded) policy: it is also the KL reference.
     state = state.replace(opt_state=rl_tx.init(state.params), ref_params=(
         jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_beta > 0 else None))
     if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards

@@ -1,5 +1,7 @@
 """Every experiment config resolves and builds its model, sampler, engine and tasks."""
 
+import json
+import math
 import pathlib
 import re
 import subprocess
@@ -41,18 +43,47 @@ def test_config_builds(name):
   engine.close()
 
 
-def test_qwen_config_loads_a_local_checkpoint_and_its_tokenizer(tmp_path):
-  """A tiny random Qwen2 checkpoint stands in for Qwen2.5-0.5B-Instruct."""
-  models.save_pretrained(models.Decoder(models.tiny_config("qwen2"), rngs=nnx.Rngs(0)),
-                         tmp_path)
-  T.load_tokenizer().save_pretrained(tmp_path)
-  cfg = qwen_tpu.get_config(str(tmp_path))
-  cfg.env.num_train_tasks, cfg.env.num_eval_tasks = 8, 4
+def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_tokenizer):
+  """A reduced-depth random Qwen2 with the real 151,665-token vocabulary and
+  the Qwen2.5 tokenizer stands in for Qwen2.5-0.5B-Instruct: the Qwen config
+  loads both from the checkpoint directory and runs RL on search_qa."""
+  vocab = len(qwen_tokenizer)
+  assert vocab == 151_665
+  models.save_pretrained(models.Decoder(
+      models.tiny_config("qwen2", vocab_size=vocab, num_layers=1, hidden_size=64,
+                         intermediate_size=128, head_dim=16), rngs=nnx.Rngs(0)),
+      tmp_path / "ckpt")
+  qwen_tokenizer.save_pretrained(tmp_path / "ckpt")
+  cfg = qwen_tpu.get_config(str(tmp_path / "ckpt"))
+  # Reduced sizes only: model, tokenizer, chat format, env and dtype are the config's.
+  for key, value in {"iterations": 2, "eval_every": 100, "eval_samples": 0,
+                     "env.num_train_tasks": 8, "env.num_eval_tasks": 2,
+                     "rl.tasks_per_iteration": 2, "rl.group_size": 2,
+                     "rollout.max_turns": 2, "rollout.max_action_tokens": 12,
+                     "sampler.num_slots": 4, "sampler.cache_length": 512,
+                     "sampler.length_buckets": (64, 256), "rl.buckets": (256, 512),
+                     "loss.micro_batches": 1}.items():
+    node = cfg
+    *path, leaf = key.split(".")
+    for part in path:
+      node = node[part]
+    node[leaf] = value
   model, _, engine, _, _ = train_agent.build(cfg)
   assert model.cfg.arch == "qwen2" and str(model.cfg.dtype) == "bfloat16"
-  text = "<search>Vorland capital</search>"
-  assert len(engine.tok) == 512 and T.encode(engine.tok, text) == T.encode(T.load_tokenizer(), text)
+  assert len(engine.tok) == vocab and engine.fmt is T.CHATML
+  text = "<search>Vorland capital</search>\n"
+  assert T.encode(engine.tok, text) == T.encode(qwen_tokenizer, text)
+  # "</search>\n" ends in Qwen's ">\n" token: the engine's matcher stops there.
+  ids = T.encode(engine.tok, text)
+  assert engine.stops.scan(ids) == len(ids) - 1
   engine.close()
+  summary = train_agent.run(cfg, tmp_path / "run")
+  rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  rl_rows = [r for r in rows if "train/loss" in r]
+  assert [r["step"] for r in rl_rows] == [1, 2]
+  assert all(math.isfinite(r["train/loss"]) for r in rl_rows)
+  assert all(r["train/batch_tokens"] > 0 for r in rl_rows)
+  assert 0.0 <= summary["rl_success"] <= 1.0
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -27,8 +27,12 @@ TAGS = ["</search>", "</answer>", "</python>", "</submit>", "</move>", "</calc>"
 
 def test_the_qwen_vocabulary_by_hand(qwen_tokenizer):
   tok = qwen_tokenizer
-  assert len(tok) == 151646 and tok.eos_token_id == 151645
-  assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>"]) == [151643, 151644]
+  assert len(tok) == 151665 and tok.eos_token_id == 151645
+  assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<tool_call>",
+                                    "<|file_sep|>"]) == [151643, 151644, 151657, 151664]
+  # The tool-call tags are added but not special: a decode keeps them.
+  assert tok.decode([151657, 151658], skip_special_tokens=True) == "<tool_call></tool_call>"
+  assert tok.decode([151644, 151645], skip_special_tokens=True) == ""
   for text, pieces in QWEN_SPELLINGS.items():
     ids = T.encode(tok, text)
     assert tok.convert_ids_to_tokens(ids) == pieces and tok.decode(ids) == text
