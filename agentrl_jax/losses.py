@@ -8,14 +8,19 @@ pass lives in the train step, not here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from agentrl_jax.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
-    "LOSS_AGG_MODES", "KL_KINDS", "token_logprobs", "token_accuracy", "entropy", "policy_loss",
+    "LOSS_AGG_MODES", "KL_KINDS", "token_logprobs", "action_positions", "action_bucket",
+    "most_actions",
+    "head_logprobs", "token_accuracy", "entropy", "policy_loss",
     "aggregate_loss", "aggregation_weights", "weighted_sum", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
     "masked_whiten",
 ]
@@ -60,6 +65,82 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   target = jnp.take_along_axis(logits, _next_tokens(tokens)[..., None], axis=-1)[..., 0]
   lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
   return _shift_right(target.astype(jnp.float32) - lse)
+
+
+def action_positions(loss_mask: jax.Array, num_actions: int
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Where each row's action tokens are, in order, in a static [B, A] bucket.
+
+  Args:
+    loss_mask: [B, L], > 0 on the tokens to train.
+    num_actions: A, at least the most such tokens in any row
+      (`action_bucket`).
+  Returns:
+    (index [B, A] int32 position of the row's k-th action token, 0 past the
+    last; valid [B, A] bool).
+  """
+  chex.assert_rank(loss_mask, 2)
+  index = jax.vmap(lambda m: jnp.nonzero(m > 0, size=num_actions, fill_value=-1)[0])(
+      loss_mask)
+  return jnp.maximum(index, 0).astype(jnp.int32), index >= 0
+
+
+def action_bucket(most_actions: int, length: int, minimum: int = 16) -> int:
+  """A for `action_positions`: the most action tokens in a row, rounded up to
+  a power of two (so few sizes compile), at least `minimum`, at most the row
+  `length`."""
+  return min(max(minimum, 1 << max(most_actions - 1, 0).bit_length()), length)
+
+
+def most_actions(loss_mask) -> int:
+  """The most action tokens in a row of a host [B, L] mask."""
+  return int(np.asarray(loss_mask > 0).sum(axis=-1).max(initial=0))
+
+
+def head_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                  targets: jax.Array, *, chunk: int = 1024, entropy: bool = False,
+                  accuracy: bool = False) -> dict[str, jax.Array]:
+  """log p(target), and optionally the entropy and argmax hit, from hidden states.
+
+  The vocabulary-sized logits exist `chunk` positions at a time, in float32,
+  forward and backward (the backward pass recomputes each chunk's logits),
+  so peak memory grows with [chunk, V], not with [positions, V]. Callers
+  gather the states that predict action tokens first (`action_positions`):
+  no head runs where no loss is.
+
+  Args:
+    head: [n, d] -> [n, V] logits (e.g. `Decoder.logits`).
+    hidden: [..., d] states; each predicts the token at the same index of
+      `targets`.
+    targets: [...] int token ids.
+    chunk: positions per chunk.
+  Returns:
+    {"logprobs": [...] float32, plus "entropy" and "accuracy" (1.0 where
+    the argmax is the target) when asked}.
+  """
+  chex.assert_equal_shape_prefix([hidden, targets], targets.ndim)
+  shape, width = targets.shape, hidden.shape[-1]
+  h, t = hidden.reshape(-1, width), targets.reshape(-1)
+  n = t.shape[0]
+  size = max(min(chunk, n), 1)
+  pad = -n % size
+  h, t = jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(t, (0, pad))
+
+  @jax.checkpoint
+  def one(args):
+    h_chunk, t_chunk = args
+    logits = head(h_chunk).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, t_chunk[:, None], axis=-1)[:, 0]
+    out = {"logprobs": target - lse}
+    if entropy:  # H = lse - E_p[logit]
+      out["entropy"] = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+    if accuracy:
+      out["accuracy"] = (jnp.argmax(logits, axis=-1) == t_chunk).astype(jnp.float32)
+    return out
+
+  out = jax.lax.map(one, (h.reshape(-1, size, width), t.reshape(-1, size)))
+  return {k: v.reshape(-1)[:n].reshape(shape) for k, v in out.items()}
 
 
 def token_accuracy(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -15,10 +15,13 @@
 5. Stop strings matched on text (`sampling.stops`) at a real vocabulary
    size: a tiny Llama with the 151,665-id Qwen2.5 vocabulary decoding with
    8 stop strings plus EOS vs the same decode compiled with the automaton
-   step removed, and the tables' memory. `--stops_only` runs just this.
+   step removed, and the tables' memory. `--stops_only` runs just 5 and 6.
+6. At that vocabulary: decode at temperature 1 (the sampled log-probs are
+   the raw ones: no second normaliser over V) vs 0.999 (one program).
 
 Timings are medians of 3 runs after a warm-up run that compiles everything
-(in 4, the two variants' runs alternate).
+(in 4-6, the compared variants' runs alternate). The last line holds the
+ratios as key=value (higher is better, stop_overhead a fraction).
 """
 
 import argparse
@@ -47,7 +50,7 @@ def main():
   p.add_argument("--stops_only", action="store_true")
   args = p.parse_args()
   if args.stops_only:
-    stop_overhead(args)
+    print(" ".join(f"{k}={v:.3f}" for k, v in qwen_vocab_decode(args).items()))
     return
   b, n = args.slots, args.new_tokens
 
@@ -133,12 +136,16 @@ def main():
   print(f"  re-prefill every turn          {t_re:7.2f} s   extend cost = {t_ext / t_re:.2f}x")
   print(f"  extend, decode over whole cache {t_whole:5.2f} s   "
         f"windows {ep.attention_windows} speed-up = {t_whole / t_ext:.2f}x")
-  stop_overhead(args)
+  ratios = {"decode_vs_hf": t_hf / t_ours, "cache_vs_nocache": t_nc / t_ours,
+            "extend_vs_reprefill": t_re / t_ext, "windows_vs_whole": t_whole / t_ext,
+            **qwen_vocab_decode(args)}
+  print(" ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
 
 
-def stop_overhead(args):
+def qwen_vocab_decode(args) -> dict[str, float]:
   """5: stops on text, Qwen2.5 vocabulary. The runs must decode every token
-  (a stop hit by chance would shorten one): checked."""
+  (a stop hit by chance would shorten one): checked. 6: the sampled
+  log-prob's second normaliser, skipped at temperature 1."""
   b, n, slots = args.slots, args.new_tokens, list(range(args.slots))
   vocab = 151665
   qwen = tok_lib.qwen2_tokenizer()
@@ -177,6 +184,19 @@ def stop_overhead(args):
   print(f"  decode, no stop step           {b * n / t_none:9.0f} tok/s")
   print(f"  decode with the stops          {b * n / t_stops:9.0f} tok/s   "
         f"overhead = {100 * (t_stops / t_none - 1):+.1f}%")
+
+  # 6: one program; at temperature 1 every row samples the raw policy and the
+  # second logsumexp over V is skipped, at 0.999 it runs.
+  def decode_at(temperature):
+    state = without.prefill(without.init_state(0), slots, prompts)
+    jax.block_until_ready(without.decode(state, slots, max_new_tokens=n,
+                                         temperature=temperature)[0].next_logits)
+
+  decode_at(0.999)
+  t_raw, t_scaled = median_times([lambda: decode_at(1.0), lambda: decode_at(0.999)], 5)
+  print(f"  decode at T = 1 (raw log-probs reused)  {b * n / t_raw:9.0f} tok/s   "
+        f"vs T = 0.999: {t_scaled / t_raw:.3f}x")
+  return {"stop_overhead": t_stops / t_none - 1, "raw_vs_scaled_decode": t_scaled / t_raw}
 
 
 if __name__ == "__main__":

@@ -301,3 +301,65 @@ def test_jit_matches_eager_and_no_retrace_within_a_bucket():
     jitted = step(logits, batch)
     eager = _batch_loss(logits, batch, "seq-mean-token-mean")
     chex.assert_trees_all_close(jitted, eager, rtol=1e-5)
+
+
+def test_action_positions_and_bucket_by_hand():
+  mask = np.array([[0, 1, 1, 0, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 1]], np.float32)
+  index, valid = losses.action_positions(mask, 4)
+  np.testing.assert_array_equal(index, [[1, 2, 4, 0], [0, 0, 0, 0], [0, 4, 0, 0]])
+  np.testing.assert_array_equal(valid, [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]])
+  assert losses.most_actions(mask) == 3 and losses.most_actions(mask[1:2]) == 0
+  assert losses.action_bucket(3, 5, minimum=1) == 4  # the next power of two
+  assert losses.action_bucket(3, 5) == 5  # at least 16, but at most L
+  assert losses.action_bucket(300, 300) == 300 and losses.action_bucket(33, 33) == 33
+  assert losses.action_bucket(17, 117) == 32 and losses.action_bucket(0, 117) == 16
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+def test_head_logprobs_equal_the_full_logits_and_their_gradients(chunk):
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.normal(size=(3, 7, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 50, size=(3, 7)), jnp.int32)
+
+  def chunked(w, hidden):
+    out = losses.head_logprobs(lambda h: h @ w, hidden, targets, chunk=chunk,
+                               entropy=True, accuracy=True)
+    return out["logprobs"].sum() + 0.3 * out["entropy"].sum(), out
+
+  def full(w, hidden):
+    # The same quantities through token_logprobs / entropy / token_accuracy:
+    # logits at i - 1 predict token i, so shift the targets right by one.
+    logits = jnp.pad(hidden @ w, ((0, 0), (0, 1), (0, 0)))
+    tokens = jnp.pad(targets, ((0, 0), (1, 0)))
+    lp = losses.token_logprobs(logits, tokens)[:, 1:]
+    ent = losses.entropy(logits)[:, 1:]
+    acc = losses.token_accuracy(logits, tokens)[:, 1:]
+    return lp.sum() + 0.3 * ent.sum(), {"logprobs": lp, "entropy": ent, "accuracy": acc}
+
+  (got, got_out), got_grads = jax.value_and_grad(chunked, (0, 1), has_aux=True)(w, hidden)
+  (want, want_out), want_grads = jax.value_and_grad(full, (0, 1), has_aux=True)(w, hidden)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for key in want_out:
+    np.testing.assert_allclose(got_out[key], want_out[key], rtol=1e-5, atol=1e-6)
+  for g, h in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6)
+
+
+def test_head_logprobs_never_holds_more_than_a_chunk_of_logits():
+  # The gradient's temporaries grow with the chunk, not with the positions:
+  # 2048 or 8192 positions over a 32k vocabulary (256 / 1024 MiB of float32
+  # logits at once) take the same few [chunk, V] buffers.
+  d, v = 16, 32768
+
+  def temp_bytes(n, chunk):
+    hidden = jnp.zeros((n, d), jnp.float32)
+    targets = jnp.zeros((n,), jnp.int32)
+    loss = lambda w: losses.head_logprobs(lambda h: h @ w, hidden, targets, chunk=chunk,
+                                          entropy=True)["entropy"].sum()
+    w = jnp.zeros((d, v), jnp.float32)
+    return jax.jit(jax.grad(loss)).lower(w).compile().memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes(2048, 128), temp_bytes(8192, 128)
+  assert large < 1.1 * small < 2048 * v * 4 / 2, (small, large)
+  assert temp_bytes(8192, 256) > 1.5 * large  # and it is the chunk that sets it

@@ -18,7 +18,8 @@ import sys
 from test_train_agent import TINY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+ENV = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+       + " --xla_force_host_platform_device_count=2"}
 
 
 def _free_port() -> int:

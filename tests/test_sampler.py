@@ -261,3 +261,19 @@ def test_sample_controls_and_logprobs():
   np.testing.assert_allclose(sampled[:, 1], np.log(np.array([0.5, 0.3])[tokens[:, 1]] / 0.8),
                              rtol=1e-5)
   np.testing.assert_allclose(sampled[:, 3], np.log(temp2[tokens[:, 3]]), rtol=1e-5)
+
+
+def test_sampled_logprobs_skip_the_second_normaliser_only_when_all_rows_are_raw():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32)
+  want_raw = np.asarray(jax.nn.log_softmax(logits))
+  for temperature, same in [((1.0, 1.0, 1.0), True), ((1.0, 0.5, 1.0), False)]:
+    params = SamplingParams.make(3).replace(temperature=jnp.asarray(temperature))
+    tokens, raw, sampled = jax.jit(sample)(jax.random.key(1), logits, params)
+    np.testing.assert_allclose(raw, want_raw[np.arange(3), tokens], rtol=1e-6)
+    scaled = np.asarray(jax.nn.log_softmax(logits / jnp.asarray(temperature)[:, None]))
+    np.testing.assert_allclose(sampled, scaled[np.arange(3), tokens], rtol=1e-6)
+    assert np.array_equal(sampled, raw) == same
+  # The raw case compiles to a program without the second logsumexp branch taken.
+  hlo = jax.jit(sample).lower(jax.random.key(1), logits, SamplingParams.make(3)).as_text()
+  assert hlo.count("conditional") + hlo.count("stablehlo.case") >= 2

@@ -1,5 +1,6 @@
 """The jitted RL and SFT steps: exact accumulation, reference gradients, guards."""
 
+import chex
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from agentrl_jax import losses, models, train
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
 
 
-def _batch(seed=0, n=8, vocab=64):
+def _batch(seed=0, n=8, vocab=64, pack=False, buckets=(48,)):
   rng = np.random.default_rng(seed)
   trajs = []
   for i in range(n):
@@ -21,7 +22,7 @@ def _batch(seed=0, n=8, vocab=64):
       segs += [Segment(Role.ASSISTANT, a, -rng.uniform(3, 5, len(a))),
                Segment(Role.OBSERVATION, rng.integers(0, vocab, 3))]
     trajs.append(Trajectory(segs, reward=1.0))
-  batch = collate(trajs, buckets=(48,))
+  batch = collate(trajs, buckets=buckets, pack=pack)
   adv = batch.loss_mask * rng.normal(size=batch.loss_mask.shape).astype(np.float32)
   return batch.replace(advantages=adv)
 
@@ -209,6 +210,72 @@ def test_accumulation_is_exact_when_views_split_across_micro_batches(model, agg)
 _CAPTURE = optax.GradientTransformation(
     lambda params: jax.tree.map(jnp.zeros_like, params),
     lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed", "windowed"])
+def test_heads_at_action_positions_equal_the_full_logits_loss(model, layout):
+  batch = {"plain": lambda: _batch(7), "packed": lambda: _batch(7, pack=True),
+           "windowed": _windowed_batch}[layout]()
+  base = dict(agg="seq-mean-token-mean", kl_beta=0.05, entropy_coef=0.01)
+  loss_fn, params = _reference_loss(model, batch, train.LossConfig(**base),
+                                    params_ref=params_of(model))
+  want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params)
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  # A chunk of 8 positions: several chunks, the last one padded.
+  _, got, m, step = _run(model, train.LossConfig(**base, head_chunk=8), batch, tx=_CAPTURE)
+  np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-6)
+  for g, w in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)
+  assert step.traces == 1
+
+
+def test_the_step_forms_no_full_vocabulary_logits():
+  # One batch of 8 x 512 positions, the model at vocabulary 64 and 32k: what
+  # the larger vocabulary adds to the step's temporaries is parameter-sized
+  # (embedding and head gradients, ~48 MiB here), not logits-sized: one
+  # [B, L, V] float32 array at 32k is 512 MiB, and the step used to form
+  # several.
+  def temp_bytes(vocab):
+    model = models.Decoder(models.tiny_config("qwen2", vocab_size=vocab), rngs=nnx.Rngs(0))
+    graphdef, state = train.init_train_state(model, _CAPTURE, with_reference=True)
+    step = train.RLStep(graphdef, _CAPTURE, train.LossConfig(
+        kl_beta=0.05, entropy_coef=0.01, head_chunk=32))
+    batch = _batch(8, vocab=vocab, buckets=(512,))
+    compiled = step._jit._jit.lower(state, batch, losses.action_bucket(
+        losses.most_actions(batch.loss_mask), 512)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  logits = 8 * 512 * 32768 * 4
+  assert temp_bytes(32768) - temp_bytes(64) < logits / 8
+
+
+def test_a_too_small_action_bucket_skips_the_update(model):
+  batch = _batch(10)
+  most = losses.most_actions(batch.loss_mask)
+  _, _, m, _ = _run(model, train.LossConfig(), batch)
+  assert float(m["dropped_actions"]) == 0 and float(m["skipped_updates"]) == 0
+  graphdef, state = train.init_train_state(model, optax.sgd(1.0), with_reference=False)
+  step = train.RLStep(graphdef, optax.sgd(1.0), train.LossConfig())
+  first = jax.tree.map(jnp.copy, state.params)
+  state, m = step(state, batch, num_actions=most - 2)
+  assert float(m["dropped_actions"]) >= 2 and float(m["skipped_updates"]) == 1
+  chex.assert_trees_all_equal(state.params, first)
+  sft = train.SFTStep(graphdef, optax.sgd(1.0))
+  state, m = sft(state, batch, num_actions=most - 1)
+  assert float(m["dropped_actions"]) >= 1
+  chex.assert_trees_all_equal(state.params, first)
+
+
+def test_the_behaviour_forward_is_a_choice(model):
+  batch = _batch(9)
+  _, _, with_fwd, _ = _run(model, train.LossConfig(), batch, tx=_CAPTURE)
+  _, _, without, _ = _run(model, train.LossConfig(behaviour_forward=False), batch,
+                          tx=_CAPTURE)
+  # Same loss from the sampler's log-probs; no gap metrics without the forward.
+  np.testing.assert_allclose(without["loss"], with_fwd["loss"], rtol=1e-6)
+  assert "logprob_gap_mean_abs" in with_fwd and "logprob_gap_mean_abs" not in without
+  with pytest.raises(ValueError, match="tis.*behaviour_forward"):
+    train.LossConfig(is_correction="tis", behaviour_forward=False)
 
 
 def test_aggregation_weights_split_by_hand():

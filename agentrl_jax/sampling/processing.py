@@ -58,15 +58,19 @@ def sample(rng: jax.Array, logits: jax.Array, params: SamplingParams
        from (after temperature and top-k/top-p); 0 for greedy rows).
   """
   logits = logits.astype(jnp.float32)
-  raw = jax.nn.log_softmax(logits, axis=-1)
   greedy = params.temperature <= 0
   scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
-  needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+  filters = (params.top_k > 0) | (params.top_p < 1.0)
   # The full-vocabulary sort is only paid when some row filters.
-  scaled = jax.lax.cond(needs_filter, _filter, lambda x, *_: x, scaled,
+  scaled = jax.lax.cond(jnp.any(filters), _filter, lambda x, *_: x, scaled,
                         params.top_k, params.top_p)
   drawn = jax.random.categorical(rng, scaled, axis=-1)
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-  pick = lambda lp: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-  sampled = jnp.where(greedy, 0.0, pick(jax.nn.log_softmax(scaled, axis=-1)))
-  return tokens, pick(raw), sampled
+  pick = lambda x: jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]
+  raw = pick(logits) - jax.nn.logsumexp(logits, axis=-1)
+  # When every row samples the policy itself (temperature 1, no filter) the
+  # sampled distribution is the raw one: no second normaliser over V.
+  sampled = jax.lax.cond(
+      jnp.all((params.temperature == 1.0) & ~filters), lambda: raw,
+      lambda: jnp.where(greedy, 0.0, pick(scaled) - jax.nn.logsumexp(scaled, axis=-1)))
+  return tokens, raw, sampled

@@ -38,7 +38,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from agentrl_jax import distributed, env_calls, sharding
+from agentrl_jax import distributed, env_calls, losses, sharding
 from agentrl_jax.envs.base import Task
 from agentrl_jax.rollout import STOP_REASONS, RolloutEngine
 from agentrl_jax.train import credit
@@ -132,7 +132,7 @@ class RLTrainer:
       self._values = jax.jit(self._values_impl, out_shardings=self._rows)
 
   def _values_impl(self, params, batch):
-    return step_lib.forward(self.step.graphdef, params, batch)[1]  # logits: dead code to XLA
+    return step_lib.hidden_and_values(self.step.graphdef, params, batch)[1]
 
   def iteration(self, tasks: Sequence[Task], it: int) -> dict[str, float]:
     cfg = self.cfg
@@ -151,9 +151,11 @@ class RLTrainer:
     # process holds (a multiple of its share of tasks x G, so the step sees
     # few shapes), the bucket of the longest sequence of any process.
     base = cfg.tasks_per_iteration * cfg.group_size // jax.process_count()
-    any_rolled, views, longest = distributed.agree_max([
+    flats = [f for t in trajs for f in t.flatten_views()]  # one per row
+    any_rolled, views, longest, most_actions = distributed.agree_max([
         len(trajs) > 0, sum(t.num_views for t in trajs),
-        max((len(f.ids) for t in trajs for f in t.flatten_views()), default=0)])
+        max((len(f.ids) for f in flats), default=0),
+        max((int(f.loss_mask.sum()) for f in flats), default=0)])
     if not any_rolled:  # partial rollouts: no group completed anywhere yet
       return self._skip(metrics, len(trajs))
     num_rows, length = base * -(-int(views) // base), bucket_length(int(longest), cfg.buckets)
@@ -185,7 +187,8 @@ class RLTrainer:
       batch = _pad_rows(batch, base * -(-int(rows) // base))
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics = self._combine(metrics, len(result.trajectories))
-    self.state, train_metrics = self.step(self.state, to_global(batch))
+    num_actions = losses.action_bucket(int(most_actions), length)
+    self.state, train_metrics = self.step(self.state, to_global(batch), num_actions)
     train_metrics = jax.device_get(train_metrics)
     self.engine.sampler.update_params(self.state.params)
     skipped = float(train_metrics["skipped_updates"]) > 0

@@ -4,7 +4,8 @@
 metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
 
   1. recompute the behaviour log-probs with the trainer (no grad) and log
-     the rollout-vs-trainer gap; reference log-probs for the KL term;
+     the rollout-vs-trainer gap (`behaviour_forward`); reference log-probs
+     for the KL term;
   2. for each of `ppo_epochs`: accumulate gradients over `micro_batches`
      (lax.scan), then one optax update, skipped if the loss or any gradient
      is non-finite.
@@ -18,6 +19,20 @@ whatever the split, also when the views of one sliding-window trajectory
 land in different micro-batches. Token-mean metrics (clip fractions,
 ratios) combine by each micro-batch's share of the action tokens.
 
+The LM head runs only where a loss is: the hidden states that predict
+action tokens are gathered into a static [B, A] bucket (A the most action
+tokens of a row, rounded up to a power of two: `losses.action_bucket`)
+before the head, and the head's float32 logits exist `head_chunk` positions
+at a time, also in the backward pass (`losses.head_logprobs`). No [B, L, V]
+array is formed; agentic batches are mostly observation tokens.
+
+Each forward costs the same: with `kl_beta > 0` one of the reference, with
+`behaviour_forward` one of the policy without grad (the trainer's own
+log-probs of the sampled tokens: needed for "tis" and the gap metrics), and
+one with grad per PPO epoch. Turn `behaviour_forward` off when the sampler
+ran the parameters being trained (no logging of the gap): the sampler's
+log-probs then serve as the behaviour ones.
+
 Importance ratios use the sampler's rollout log-probs (`is_correction=
 "none"`), or, with "tis", the trainer's recomputed ones times truncated
 importance weights min(pi_trainer / pi_sampler, tis_cap) (Yao et al. 2025,
@@ -28,9 +43,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from agentrl_jax import losses, sharding
@@ -56,8 +73,16 @@ class LossConfig:
   tis_cap: float = 2.0
   ppo_epochs: int = 1
   micro_batches: int = 1
+  # The trainer's own behaviour log-probs (one forward): "tis" and gap metrics.
+  behaviour_forward: bool = True
+  head_chunk: int = 1024  # positions whose [., V] logits exist at once
 
   def __post_init__(self):
+    if self.is_correction == "tis" and not self.behaviour_forward:
+      raise ValueError("is_correction='tis' needs behaviour_forward=True: its "
+                       "weights are the trainer's log-probs against the sampler's")
+    if self.head_chunk < 1:
+      raise ValueError(f"head_chunk must be >= 1, got {self.head_chunk}")
     if self.agg not in losses.LOSS_AGG_MODES:
       raise ValueError(f"unknown agg {self.agg!r}; known: {losses.LOSS_AGG_MODES}")
     if self.kl_kind not in losses.KL_KINDS:
@@ -77,12 +102,58 @@ def decision_mask(turn_index: jax.Array) -> jax.Array:
   return (nxt >= 0) & (nxt != turn_index)
 
 
-def forward(graphdef: nnx.GraphDef, params, batch: TokenBatch):
-  """(logits [B, L, V], values [B, L] or None) of the model on a batch."""
+def hidden_and_values(graphdef: nnx.GraphDef, params, batch: TokenBatch):
+  """(final hidden states [B, L, d], values [B, L] or None) of the model."""
   model = nnx.merge(graphdef, params)
   hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
   values = model.values(hidden) if model.value_head is not None else None
-  return model.logits(hidden), values
+  return hidden, values
+
+
+def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.Array,
+                 *, chunk: int, entropy: bool = False, accuracy: bool = False,
+                 values: bool = False) -> dict[str, jax.Array]:
+  """The head at the positions that predict the tokens at `index` [B, A].
+
+  Returns `losses.head_logprobs`'s [B, A] arrays, plus "values" [B, L] when
+  asked (the value head is one d-vector: cheap at every position).
+  """
+  model = nnx.merge(graphdef, params)
+  hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
+  # The state at i - 1 predicts token i (an action never opens a sequence).
+  states = jnp.take_along_axis(hidden, jnp.maximum(index - 1, 0)[..., None], axis=1)
+  out = losses.head_logprobs(model.logits, states,
+                             jnp.take_along_axis(batch.tokens, index, axis=1),
+                             chunk=chunk, entropy=entropy, accuracy=accuracy)
+  if values:
+    out["values"] = model.values(hidden)
+  return out
+
+
+@flax.struct.dataclass
+class _Actions:
+  """A batch's per-token arrays at its action tokens, [B, A] each."""
+
+  index: jax.Array  # int32 position in the row (0 past the row's last action)
+  mask: jax.Array  # float32, 1 on real action tokens
+  old_logprobs: jax.Array
+  advantages: jax.Array
+  weights: jax.Array  # aggregation weights, computed on the whole batch
+
+
+def _dropped_actions(batch: TokenBatch, valid: jax.Array) -> jax.Array:
+  """Action tokens past a too-small bucket: the step then skips its update
+  (counted in `skipped_updates`) rather than train on part of the batch."""
+  return jnp.sum((batch.loss_mask > 0) & (batch.seq_ids >= 0)) - jnp.sum(valid)
+
+
+def _actions(batch: TokenBatch, weights: jax.Array, num_actions: int) -> _Actions:
+  index, valid = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0),
+                                         num_actions)
+  at = lambda x: jnp.where(valid, jnp.take_along_axis(x, index, axis=1), 0.0)
+  return _Actions(index=index, mask=valid.astype(jnp.float32),
+                  old_logprobs=at(batch.old_logprobs), advantages=at(batch.advantages),
+                  weights=at(weights))
 
 
 def _keep_if(ok: jax.Array, new, old):
@@ -100,7 +171,8 @@ def _split(batch, n: int):
 
 
 class _StepJit:
-  """`step(state, batch) -> (state, metrics)` jitted with the state donated.
+  """`step(state, batch, num_actions) -> (state, metrics)` jitted with the
+  state donated and `num_actions` (the action bucket, from the host) static.
 
   Under a mesh the shardings are fixed at the jit boundary: the state by the
   partition rules, the same in and out (so donation reuses its buffers and
@@ -111,20 +183,28 @@ class _StepJit:
 
   def __init__(self, step, mesh: jax.sharding.Mesh | None):
     self._step, self._mesh = step, mesh
-    self._jit = jax.jit(step, donate_argnums=(0,)) if mesh is None else None
+    self._jit = (jax.jit(step, donate_argnums=(0,), static_argnums=(2,))
+                 if mesh is None else None)
     self._shardings = None
 
-  def __call__(self, state: TrainState, batch: TokenBatch):
+  def __call__(self, state: TrainState, batch: TokenBatch, num_actions: int | None):
+    if num_actions is None:
+      # From a host batch; a placed one is not read back (no transfer in the
+      # hot path): every position, unless the caller says how many.
+      length = batch.loss_mask.shape[-1]
+      num_actions = (losses.action_bucket(losses.most_actions(batch.loss_mask), length)
+                     if isinstance(batch.loss_mask, np.ndarray) else length)
     if self._mesh is None:
-      return self._jit(state, batch)
+      return self._jit(state, batch, num_actions)
     if self._jit is None:
       state_sharding = sharding.param_shardings(state, self._mesh)
       self._shardings = (state_sharding, sharding.batch_sharding(self._mesh))
-      self._jit = jax.jit(self._step, donate_argnums=(0,), in_shardings=self._shardings,
+      self._jit = jax.jit(self._step, donate_argnums=(0,), static_argnums=(2,),
+                          in_shardings=self._shardings,
                           out_shardings=(state_sharding, sharding.replicated(self._mesh)))
     # Commit both (a no-op once placed): jit traces committed and uncommitted
     # inputs separately, and a host batch goes straight to its row shards.
-    return self._jit(*sharding.shard((state, batch), self._shardings))
+    return self._jit(*sharding.shard((state, batch), self._shardings), num_actions)
 
 
 class RLStep:
@@ -140,33 +220,39 @@ class RLStep:
     self.traces = 0
     self._jit = _StepJit(self._step, mesh)
 
-  def __call__(self, state: TrainState, batch: TokenBatch):
-    return self._jit(state, batch)
+  def __call__(self, state: TrainState, batch: TokenBatch, num_actions: int | None = None):
+    """One step. `num_actions`: the action bucket A (`losses.action_bucket`
+    of the host batch; what every process agreed on in a multi-host run);
+    None: from `batch` when it is on the host, else every position."""
+    return self._jit(state, batch, num_actions)
 
-  def _step(self, state: TrainState, batch: TokenBatch):
+  def _step(self, state: TrainState, batch: TokenBatch, num_actions: int):
     self.traces += 1  # runs only while tracing
     cfg = self.cfg
     # Aggregation weights over the whole batch, before the split: exact
     # accumulation whatever micro-batch a token (or a view) lands in.
     weights_all = losses.aggregation_weights(
         batch.loss_mask, cfg.agg, norm_constant=cfg.norm_constant, seq_ids=batch.seq_ids)
-    micro, agg_weights = _split((batch, weights_all), cfg.micro_batches)
-    lp_of = lambda params, mb: losses.token_logprobs(
-        forward(self.graphdef, params, mb)[0], mb.tokens)
+    all_acts = _actions(batch, weights_all, num_actions)
+    dropped = _dropped_actions(batch, all_acts.mask > 0)
+    micro, acts = _split((batch, all_acts), cfg.micro_batches)
+    lp_of = lambda params, xs: action_heads(self.graphdef, params, xs[0], xs[1].index,
+                                            chunk=cfg.head_chunk)["logprobs"]
 
     # -- 1. Behaviour log-probs under the trainer; reference log-probs. --------
-    trainer_old = jax.lax.map(lambda mb: lp_of(state.params, mb), micro)
-    ref = (jax.lax.map(lambda mb: lp_of(state.ref_params, mb), micro)
-           if cfg.kl_beta > 0 else jnp.zeros_like(trainer_old))
-    rollout = micro.old_logprobs
-    mask = micro.loss_mask * (micro.seq_ids >= 0)
-    gap = jnp.where(mask > 0, trainer_old - rollout, 0.0)
-    metrics = {
-        "logprob_gap_mean_abs": masked_mean(jnp.abs(gap), mask),
-        "logprob_gap_max_abs": jnp.max(jnp.abs(gap)),
-        # k3 estimate of KL(sampler || trainer) from the sampler's tokens.
-        "logprob_gap_kl": masked_mean(losses.kl_penalty(rollout, trainer_old, "k3"), mask),
-    }
+    rollout, mask = acts.old_logprobs, acts.mask
+    metrics = {}
+    if cfg.behaviour_forward:
+      trainer_old = jax.lax.map(lambda xs: lp_of(state.params, xs), (micro, acts))
+      gap = jnp.where(mask > 0, trainer_old - rollout, 0.0)
+      metrics = {
+          "logprob_gap_mean_abs": masked_mean(jnp.abs(gap), mask),
+          "logprob_gap_max_abs": jnp.max(jnp.abs(gap)),
+          # k3 estimate of KL(sampler || trainer) from the sampler's tokens.
+          "logprob_gap_kl": masked_mean(losses.kl_penalty(rollout, trainer_old, "k3"), mask),
+      }
+    ref = (jax.lax.map(lambda xs: lp_of(state.ref_params, xs), (micro, acts))
+           if cfg.kl_beta > 0 else jnp.zeros_like(rollout))
     if cfg.is_correction == "tis":
       old, weights = trainer_old, jnp.minimum(jnp.exp(gap), cfg.tis_cap)
     else:
@@ -176,26 +262,27 @@ class RLStep:
     values_on = jax.vmap(decision_mask)(micro.turn_index) & (micro.seq_ids >= 0)
     value_share = jnp.sum(values_on, axis=(1, 2)) / jnp.maximum(jnp.sum(values_on), 1)
 
-    def loss_fn(params, mb, old, ref, weights, agg_weights, token_share, value_on,
-                value_share):
-      logits, values = forward(self.graphdef, params, mb)
-      lp = losses.token_logprobs(logits, mb.tokens)
+    def loss_fn(params, mb, act, old, ref, weights, token_share, value_on, value_share):
+      out = action_heads(self.graphdef, params, mb, act.index, chunk=cfg.head_chunk,
+                         entropy=cfg.entropy_coef > 0, values=cfg.value_coef > 0)
+      lp = out["logprobs"]
       pg, m = losses.policy_loss(
-          lp, old, mb.advantages, mb.loss_mask, clip_low=cfg.clip_low,
+          lp, old, act.advantages, act.mask, clip_low=cfg.clip_low,
           clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=weights,
-          token_weights=agg_weights)
+          token_weights=act.weights)
       # Token-mean metrics combine by token share, maxima by max; the loss
       # terms are already this micro-batch's part of the full-batch sum.
       m = {k: v if k.endswith("_max") else token_share * v for k, v in m.items()}
       loss = m["pg_loss"] = pg
       if cfg.kl_beta > 0:
-        m["kl"] = losses.weighted_sum(losses.kl_penalty(lp, ref, cfg.kl_kind), agg_weights)
+        m["kl"] = losses.weighted_sum(losses.kl_penalty(lp, ref, cfg.kl_kind), act.weights)
         loss = loss + cfg.kl_beta * m["kl"]
       if cfg.entropy_coef > 0:
-        m["entropy"] = losses.weighted_sum(losses.entropy(logits), agg_weights)
+        m["entropy"] = losses.weighted_sum(out["entropy"], act.weights)
         loss = loss - cfg.entropy_coef * m["entropy"]
       if cfg.value_coef > 0:
-        m["value_loss"] = value_share * masked_mean(jnp.square(values - mb.returns), value_on)
+        m["value_loss"] = value_share * masked_mean(
+            jnp.square(out["values"] - mb.returns), value_on)
         loss = loss + cfg.value_coef * m["value_loss"]
       return loss, m
 
@@ -216,7 +303,7 @@ class RLStep:
           lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], xs_all))))
       zeros = (zeros[0][0], zeros[0][1], zeros[1])
       (loss, m, grads), _ = jax.lax.scan(micro_step, zeros, xs_all)
-      ok = jnp.isfinite(loss) & jnp.all(jnp.asarray(
+      ok = jnp.isfinite(loss) & (dropped == 0) & jnp.all(jnp.asarray(
           [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
       updates, new_opt = self.tx.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
@@ -226,12 +313,13 @@ class RLStep:
                step + ok, skipped + (1 - ok))
       return carry, m
 
-    xs_all = (micro, old, ref, weights, agg_weights, token_share, values_on, value_share)
+    xs_all = (micro, acts, old, ref, weights, token_share, values_on, value_share)
     (params, opt_state, step, skipped), per_epoch = jax.lax.scan(
         epoch, (state.params, state.opt_state, state.step, state.skipped), None,
         length=cfg.ppo_epochs)
     metrics.update({k: v[0] for k, v in per_epoch.items()})  # first epoch: on-policy
     metrics["skipped_updates"] = jnp.sum(per_epoch["skipped_update"])
+    metrics["dropped_actions"] = dropped
     metrics.pop("skipped_update")
     return state.replace(params=params, opt_state=opt_state, step=step,
                          skipped=skipped), metrics
@@ -244,30 +332,32 @@ class SFTStep:
   """
 
   def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
-               mesh: jax.sharding.Mesh | None = None):
-    self.graphdef, self.tx = graphdef, tx
+               mesh: jax.sharding.Mesh | None = None, head_chunk: int = 1024):
+    self.graphdef, self.tx, self.head_chunk = graphdef, tx, head_chunk
     self.traces = 0
     self._jit = _StepJit(self._step, mesh)
 
-  def __call__(self, state: TrainState, batch: TokenBatch):
-    return self._jit(state, batch)
+  def __call__(self, state: TrainState, batch: TokenBatch, num_actions: int | None = None):
+    """One step; `num_actions` as for `RLStep`."""
+    return self._jit(state, batch, num_actions)
 
-  def _step(self, state: TrainState, batch: TokenBatch):
+  def _step(self, state: TrainState, batch: TokenBatch, num_actions: int):
     self.traces += 1
+    index, valid = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0),
+                                           num_actions)
+    dropped = _dropped_actions(batch, valid)
 
     def loss_fn(params):
-      logits, _ = forward(self.graphdef, params, batch)
-      lp = losses.token_logprobs(logits, batch.tokens)
-      mask = batch.loss_mask * (batch.seq_ids >= 0)
-      return -masked_mean(lp, mask), masked_mean(
-          losses.token_accuracy(logits, batch.tokens), mask)
+      out = action_heads(self.graphdef, params, batch, index, chunk=self.head_chunk,
+                         accuracy=True)
+      return -masked_mean(out["logprobs"], valid), masked_mean(out["accuracy"], valid)
 
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    ok = jnp.isfinite(loss)
+    ok = jnp.isfinite(loss) & (dropped == 0)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     state = state.replace(params=_keep_if(ok, params, state.params),
                           opt_state=_keep_if(ok, opt_state, state.opt_state),
                           step=state.step + ok, skipped=state.skipped + (1 - ok))
     return state, {"sft_loss": loss, "token_accuracy": acc,
-                   "grad_norm": optax.tree.norm(grads)}
+                   "grad_norm": optax.tree.norm(grads), "dropped_actions": dropped}

@@ -68,7 +68,7 @@ def get_config():
       clip_low=0.2, clip_high=0.28, dual_clip=None, agg="token-mean",
       norm_constant=None, kl_beta=0.0, kl_kind="k3", entropy_coef=0.0,
       value_coef=0.0, is_correction="none", tis_cap=2.0, ppo_epochs=1,
-      micro_batches=1))
+      micro_batches=1, behaviour_forward=True, head_chunk=1024))
   c.rl = ml_collections.ConfigDict(dict(
       group_size=8, tasks_per_iteration=8, credit="grpo", gamma=1.0, lam=0.95,
       filter_zero_variance=False, branch_size=2, buckets=(128, 256, 512, 768),
