@@ -84,7 +84,8 @@ def test_rl_improves_held_out_success_from_sft():
     trainer.iteration(tasks, it + 1)
   after = rl.evaluate(engine, eval_tasks, temperature=1.0)["success"]
   print(f"held-out success: SFT {before:.3f} -> RL {after:.3f}")
-  # Measured here: 0.648 -> 0.844; the margin leaves room for float drift.
+  # Measured here: 0.453 -> 0.820 (0.648 -> 0.844 before the train step
+  # summed in chunks): the SFT start moves with float rounding; the gain holds.
   assert after >= before + 0.1, (before, after)
 
 

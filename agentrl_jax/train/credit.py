@@ -47,9 +47,9 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
   next assistant header (the state after its last turn; under a sliding
   window, read in the window the next action would have seen: the view with
   no trained tokens when the window moved, else the view holding its last
-  turn), the same kind of position the value head is trained at. An episode that ends on an
-  action has no next state (it terminated, or the next observation did not
-  fit the context, so nothing could follow): bootstrap 0.
+  turn), the same kind of position the value head is trained at. An episode
+  that ends on an action has no next state (it terminated, or the next
+  observation did not fit the context, so nothing could follow): bootstrap 0.
   """
   seq_ids, turn_index = batch.seq_ids, batch.turn_index
   on = np.asarray(decision_mask(jnp.asarray(turn_index))) & (seq_ids >= 0)

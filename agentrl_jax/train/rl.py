@@ -132,7 +132,7 @@ class RLTrainer:
       self._values = jax.jit(self._values_impl, out_shardings=self._rows)
 
   def _values_impl(self, params, batch):
-    return step_lib.hidden_and_values(self.step.graphdef, params, batch)[1]
+    return step_lib.token_values(self.step.graphdef, params, batch)
 
   def iteration(self, tasks: Sequence[Task], it: int) -> dict[str, float]:
     cfg = self.cfg

@@ -102,12 +102,17 @@ def decision_mask(turn_index: jax.Array) -> jax.Array:
   return (nxt >= 0) & (nxt != turn_index)
 
 
-def hidden_and_values(graphdef: nnx.GraphDef, params, batch: TokenBatch):
-  """(final hidden states [B, L, d], values [B, L] or None) of the model."""
+def _hidden(graphdef: nnx.GraphDef, params, batch: TokenBatch):
+  """(the model, its final hidden states [B, L, d] on a batch)."""
   model = nnx.merge(graphdef, params)
   hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
-  values = model.values(hidden) if model.value_head is not None else None
-  return hidden, values
+  return model, hidden
+
+
+def token_values(graphdef: nnx.GraphDef, params, batch: TokenBatch) -> jax.Array:
+  """[B, L] float32 value-head outputs (needs a value head)."""
+  model, hidden = _hidden(graphdef, params, batch)
+  return model.values(hidden)
 
 
 def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.Array,
@@ -118,8 +123,7 @@ def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.A
   Returns `losses.head_logprobs`'s [B, A] arrays, plus "values" [B, L] when
   asked (the value head is one d-vector: cheap at every position).
   """
-  model = nnx.merge(graphdef, params)
-  hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
+  model, hidden = _hidden(graphdef, params, batch)
   # The state at i - 1 predicts token i (an action never opens a sequence).
   states = jnp.take_along_axis(hidden, jnp.maximum(index - 1, 0)[..., None], axis=1)
   out = losses.head_logprobs(model.logits, states,
