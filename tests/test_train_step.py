@@ -229,6 +229,36 @@ def test_heads_at_action_positions_equal_the_full_logits_loss(model, layout):
   assert step.traces == 1
 
 
+@pytest.mark.parametrize("layout", ["plain", "packed", "windowed"])
+def test_the_value_head_runs_at_decision_states_only(layout):
+  # The step reads the value head on the gathered action states only (the
+  # state before a turn's first action token is its decision state); the
+  # reference reads it at every position and masks by `decision_mask`.
+  model = models.Decoder(models.tiny_config("qwen2", vocab_size=64, value_head=True),
+                         rngs=nnx.Rngs(1))
+  batch = {"plain": lambda: _batch(9), "packed": lambda: _batch(9, pack=True),
+           "windowed": _windowed_batch}[layout]()
+  on = np.asarray(train.decision_mask(jnp.asarray(batch.turn_index))) & (batch.seq_ids >= 0)
+  rng = np.random.default_rng(0)
+  batch = batch.replace(returns=np.where(on, rng.normal(size=on.shape), 0.0).astype(np.float32),
+                        advantages=np.zeros_like(batch.advantages))
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def loss_fn(params):
+    m = nnx.merge(graphdef, params)
+    values = m.values(m.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)[0])
+    return jnp.sum(jnp.where(on, jnp.square(values - batch.returns), 0.0)) / on.sum()
+
+  want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params)
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for micro in (1, 4):
+    _, got, m, _ = _run(model, train.LossConfig(value_coef=1.0, micro_batches=micro), batch,
+                        tx=_CAPTURE)
+    np.testing.assert_allclose(m["value_loss"], want_loss, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)
+
+
 def test_the_step_forms_no_full_vocabulary_logits():
   # One batch of 8 x 512 positions, the model at vocabulary 64 and 32k: what
   # the larger vocabulary adds to the step's temporaries is parameter-sized

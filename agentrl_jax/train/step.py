@@ -24,7 +24,9 @@ action tokens are gathered into a static [B, A] bucket (A the most action
 tokens of a row, rounded up to a power of two: `losses.action_bucket`)
 before the head, and the head's float32 logits exist `head_chunk` positions
 at a time, also in the backward pass (`losses.head_logprobs`). No [B, L, V]
-array is formed; agentic batches are mostly observation tokens.
+array is formed; agentic batches are mostly observation tokens. The value
+head reads the same gathered states: the state before a turn's first
+action token is that turn's decision state, where V(s_t) trains.
 
 Each forward costs the same: with `kl_beta > 0` one of the reference, with
 `behaviour_forward` one of the policy without grad (the trainer's own
@@ -120,8 +122,9 @@ def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.A
                  values: bool = False) -> dict[str, jax.Array]:
   """The head at the positions that predict the tokens at `index` [B, A].
 
-  Returns `losses.head_logprobs`'s [B, A] arrays, plus "values" [B, L] when
-  asked (the value head is one d-vector: cheap at every position).
+  Returns `losses.head_logprobs`'s [B, A] arrays, plus "values" [B, A] when
+  asked: the value head on the same states (at a turn's first action token,
+  the state before it is the turn's decision state).
   """
   model, hidden = _hidden(graphdef, params, batch)
   # The state at i - 1 predicts token i (an action never opens a sequence).
@@ -130,7 +133,7 @@ def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.A
                              jnp.take_along_axis(batch.tokens, index, axis=1),
                              chunk=chunk, entropy=entropy, accuracy=accuracy)
   if values:
-    out["values"] = model.values(hidden)
+    out["values"] = model.values(states)
   return out
 
 
@@ -143,6 +146,10 @@ class _Actions:
   old_logprobs: jax.Array
   advantages: jax.Array
   weights: jax.Array  # aggregation weights, computed on the whole batch
+  # 1 on each turn's first action token: the state before it is a decision
+  # state (`decision_mask`), where the value head trains on `returns`.
+  first: jax.Array
+  returns: jax.Array  # the returns at the state before the token
 
 
 def _dropped_actions(batch: TokenBatch, valid: jax.Array) -> jax.Array:
@@ -154,10 +161,13 @@ def _dropped_actions(batch: TokenBatch, valid: jax.Array) -> jax.Array:
 def _actions(batch: TokenBatch, weights: jax.Array, num_actions: int) -> _Actions:
   index, valid = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0),
                                          num_actions)
-  at = lambda x: jnp.where(valid, jnp.take_along_axis(x, index, axis=1), 0.0)
+  before = jnp.maximum(index - 1, 0)
+  at = lambda x, i=index: jnp.where(valid, jnp.take_along_axis(x, i, axis=1), 0.0)
+  first = valid & (at(batch.turn_index, before) != at(batch.turn_index))
   return _Actions(index=index, mask=valid.astype(jnp.float32),
                   old_logprobs=at(batch.old_logprobs), advantages=at(batch.advantages),
-                  weights=at(weights))
+                  weights=at(weights), first=first.astype(jnp.float32),
+                  returns=at(batch.returns, before))
 
 
 def _keep_if(ok: jax.Array, new, old):
@@ -263,10 +273,10 @@ class RLStep:
       old, weights = rollout, jnp.ones_like(rollout)
     tokens = jnp.sum(mask, axis=(1, 2))
     token_share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
-    values_on = jax.vmap(decision_mask)(micro.turn_index) & (micro.seq_ids >= 0)
-    value_share = jnp.sum(values_on, axis=(1, 2)) / jnp.maximum(jnp.sum(values_on), 1)
+    decisions = jnp.sum(acts.first, axis=(1, 2))
+    value_share = decisions / jnp.maximum(jnp.sum(decisions), 1.0)
 
-    def loss_fn(params, mb, act, old, ref, weights, token_share, value_on, value_share):
+    def loss_fn(params, mb, act, old, ref, weights, token_share, value_share):
       out = action_heads(self.graphdef, params, mb, act.index, chunk=cfg.head_chunk,
                          entropy=cfg.entropy_coef > 0, values=cfg.value_coef > 0)
       lp = out["logprobs"]
@@ -286,7 +296,7 @@ class RLStep:
         loss = loss - cfg.entropy_coef * m["entropy"]
       if cfg.value_coef > 0:
         m["value_loss"] = value_share * masked_mean(
-            jnp.square(out["values"] - mb.returns), value_on)
+            jnp.square(out["values"] - act.returns), act.first)
         loss = loss + cfg.value_coef * m["value_loss"]
       return loss, m
 
@@ -317,7 +327,7 @@ class RLStep:
                step + ok, skipped + (1 - ok))
       return carry, m
 
-    xs_all = (micro, acts, old, ref, weights, token_share, values_on, value_share)
+    xs_all = (micro, acts, old, ref, weights, token_share, value_share)
     (params, opt_state, step, skipped), per_epoch = jax.lax.scan(
         epoch, (state.params, state.opt_state, state.step, state.skipped), None,
         length=cfg.ppo_epochs)
