@@ -43,7 +43,7 @@ from agentrl_jax import checkpointing, distributed, envs, metrics, models, shard
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
-from agentrl_jax.train import presets, rl, sft
+from agentrl_jax.train import credit, presets, rl, sft
 from configs import base as config_base
 import plot_curves
 
@@ -66,7 +66,7 @@ def build_model(cfg):
 
 
 def _value_head(cfg) -> bool:
-  return cfg.model.value_head or cfg.rl.credit == "gae"
+  return cfg.model.value_head or credit.scheme(cfg.rl.credit).needs_values
 
 
 def _mesh_config(cfg) -> sharding.MeshConfig:

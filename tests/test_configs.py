@@ -11,6 +11,7 @@ from flax import nnx
 import pytest
 
 from agentrl_jax import models
+from agentrl_jax.train import credit
 from agentrl_jax import tokenizer as T
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -118,6 +119,17 @@ def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):
   with pytest.raises(base.ConfigError, match=re.escape(message)):
     train_agent.run(cfg, tmp_path / "run")
   assert not (tmp_path / "run").exists(), "nothing was written"
+
+
+def test_a_config_names_any_registered_credit_scheme():
+  cfg = default.get_config()
+  cfg.rl.credit = "test_config_scheme"
+  with pytest.raises(base.ConfigError, match="test_config_scheme"):
+    base.validate(cfg)
+  credit.register("test_config_scheme", needs_values=True, replace=True)(
+      lambda x: credit.Credit(turns=x.values))
+  base.validate(cfg)
+  assert train_agent._value_head(cfg)  # the scheme needs values: the model gets a head
 
 
 @pytest.mark.parametrize("override, message", [

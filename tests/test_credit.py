@@ -144,3 +144,47 @@ def test_branching_values_from_group_members_and_continuations_by_hand():
   assert _per_turn(batch, 3) == pytest.approx([0.2 - 0.6, 0.0], abs=1e-6)
   with pytest.raises(ValueError, match="needs branch_values"):
     credit.assign("branching", trajs, batch)
+
+
+# A scheme of the test's own, registered as a user would (replace: xdist may
+# import this module more than once in a worker).
+@credit.register("test_turn_loo", replace=True)
+def _turn_leave_one_out(x: credit.CreditInputs) -> credit.Credit:
+  """Per-turn rewards minus the mean of the other turns of the same episode."""
+  total = (x.turn_rewards * x.turn_mask).sum(axis=1, keepdims=True)
+  count = x.turn_mask.sum(axis=1, keepdims=True)
+  others = (total - x.turn_rewards) / np.maximum(count - 1, 1)
+  return credit.Credit(turns=(x.turn_rewards - others) * x.turn_mask)
+
+
+def test_a_registered_scheme_runs_like_a_built_in():
+  assert credit.schemes()[:7] == ("grpo", "drgrpo", "rloo", "turn_returns", "turn_grpo",
+                                  "gae", "branching")
+  assert "test_turn_loo" in credit.schemes()
+  trajs = _trajs()
+  got = credit.assign("test_turn_loo", trajs, collate(trajs, buckets=(32,), pack=True))
+  # Trajectory 2: rewards [0, 0, 1]; the others' means [.5, .5, 0].
+  assert _per_turn(got, 2) == pytest.approx([-0.5, -0.5, 1.0])
+  assert _per_turn(got, 0) == pytest.approx([-1.0, 1.0])
+  assert _per_turn(got, 1) == pytest.approx([0.5])  # one turn: no others
+  assert np.all(got.advantages[got.loss_mask == 0] == 0)
+
+
+def test_scheme_registry_errors():
+  trajs = _trajs()
+  batch = collate(trajs, buckets=(32,))
+  with pytest.raises(ValueError, match="already registered"):
+    credit.register("grpo")(lambda x: None)
+  with pytest.raises(ValueError, match=r"unknown credit scheme 'nope'; known: \('grpo'"):
+    credit.assign("nope", trajs, batch)
+  bad = {"test_both": credit.Credit(trajectory=np.zeros(4), turns=np.zeros((4, 3))),
+         "test_shape": credit.Credit(turns=np.zeros((4, 2))),
+         "test_returns": credit.Credit(turns=np.zeros((4, 3)), returns=np.zeros(4))}
+  for name, out in bad.items():
+    credit.register(name, replace=True)(lambda x, out=out: out)
+  with pytest.raises(ValueError, match="must return one of"):
+    credit.assign("test_both", trajs, batch)
+  with pytest.raises(ValueError, match=r"shape \(4, 2\); expected \(4, 3\)"):
+    credit.assign("test_shape", trajs, batch)
+  with pytest.raises(ValueError, match="value targets of shape"):
+    credit.assign("test_returns", trajs, batch)

@@ -15,12 +15,13 @@ from flax import nnx
 import optax
 import pytest
 
+from agentrl_jax import advantages as adv
 from agentrl_jax import models, train
 from agentrl_jax import tokenizer as T
 from agentrl_jax.envs import Task, TextEnvironment
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
-from agentrl_jax.train import rl, sft
+from agentrl_jax.train import credit, rl, sft
 
 LABELS = ("left", "right")
 
@@ -182,3 +183,21 @@ def test_partial_rollouts_in_the_rl_loop():
   assert sum(m["rollout/episodes"] for m in history) >= 8
   with pytest.raises(ValueError, match="partial rollouts"):
     _trainer({}, {"token_budget": 12, "credit": "branching"})
+
+
+@credit.register("test_critic_baseline", needs_values=True, replace=True)
+def _critic_baseline(x: credit.CreditInputs) -> credit.Credit:
+  """Returns-to-go minus the value head's V(s_t); the critic learns the returns."""
+  returns = adv.discounted_returns(x.turn_rewards, x.turn_mask, x.gamma)
+  return credit.Credit(turns=returns - x.values * x.turn_mask, returns=returns)
+
+
+def test_a_registered_scheme_trains_in_the_rl_loop():
+  trainer = _trainer({}, {"credit": "test_critic_baseline"}, {"value_coef": 0.1},
+                     value_head=True)
+  losses = [trainer.iteration(LookupEnv.tasks("train", 2, 0), it)["train/value_loss"]
+            for it in (1, 2)]
+  # Its values were read (needs_values) and its returns trained the critic.
+  assert all(l > 0 for l in losses) and losses[1] != losses[0]
+  with pytest.raises(ValueError, match="unknown credit scheme 'not_registered'"):
+    _trainer({}, {"credit": "not_registered"})

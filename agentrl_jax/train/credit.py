@@ -1,6 +1,11 @@
 """Credit assignment by name: rollouts + collated batch -> per-token advantages.
 
-The registry researchers swap in configs (`CREDIT_SCHEMES`):
+A scheme is a function from a frozen `CreditInputs` (what credit may depend
+on) to a `Credit` (per-trajectory or per-turn advantages, and value targets
+where a critic trains); `assign` builds the inputs and paints the result
+onto the tokens. Schemes register by name with `@register(name)`, the
+built-ins below exactly as a user's would, and a config names any
+registered scheme (`schemes()`):
 
   grpo          trajectory-level group-relative, population std (GRPO)
   drgrpo        the same without the std division (Dr.GRPO)
@@ -12,14 +17,23 @@ The registry researchers swap in configs (`CREDIT_SCHEMES`):
                 V(s_t) from continuations sampled at each turn
                 (`RolloutEngine.branch`, `branch_returns`)
 
+A scheme of one's own, e.g. in an experiment's config file:
+
+  @credit.register("turn_rloo")
+  def turn_rloo(x: credit.CreditInputs) -> credit.Credit:
+    ...
+    return credit.Credit(turns=...)  # [N, T]
+
 Trajectory rewards are the episode returns; turn rewards are the per-step
 rewards the environment reported (outcome, format, cost and process parts).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,8 +41,77 @@ from agentrl_jax import advantages as adv
 from agentrl_jax.train.step import decision_mask
 from agentrl_jax.trajectory import TokenBatch, Trajectory, turn_arrays
 
-CREDIT_SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "turn_grpo", "gae",
-                  "branching")
+
+@dataclasses.dataclass(frozen=True)
+class CreditInputs:
+  """What a credit scheme may depend on, for N trajectories of up to T turns."""
+
+  trajectories: tuple[Trajectory, ...]  # in the order of their seq ids
+  rewards: jax.Array  # [N] float32 episode returns
+  turn_rewards: np.ndarray  # [N, T] float32 per-turn rewards
+  turn_mask: np.ndarray  # [N, T] float32, 1 on the turns an episode has
+  group_ids: jax.Array  # [N] int32, equal for the rollouts of one task
+  terminated: jax.Array  # [N] bool: ended by the environment
+  truncated: jax.Array  # [N] bool: cut by a budget (the state has a value)
+  gamma: float  # turn discount
+  lam: float  # GAE lambda
+  # Schemes registered with needs_values: V(s_t) read from the value head at
+  # each turn's decision state, and V after the last turn (0 if it ended).
+  values: np.ndarray | None = None  # [N, T]
+  bootstrap: np.ndarray | None = None  # [N]
+  # Schemes registered with needs_branches: Monte-Carlo returns of the state
+  # before each turn (`branch_returns`): ([N, T, K], mask [N, T, K]).
+  branch_returns: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Credit:
+  """A scheme's output: one of `trajectory` [N] (painted on every action
+  token of the trajectory) or `turns` [N, T] (on each turn's tokens), and
+  optionally `returns` [N, T], the value head's targets at each turn's
+  decision state."""
+
+  trajectory: Any = None
+  turns: Any = None
+  returns: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+  name: str
+  fn: Callable[[CreditInputs], Credit]
+  needs_values: bool  # the trainer runs the value head before credit
+  needs_branches: bool  # the trainer samples continuations at every turn
+
+
+_SCHEMES: dict[str, Scheme] = {}
+
+
+def register(name: str, *, needs_values: bool = False, needs_branches: bool = False,
+             replace: bool = False):
+  """Decorator: registers `fn(CreditInputs) -> Credit` as credit scheme `name`.
+
+  replace: redefine an existing scheme (e.g. rerunning a notebook cell);
+    otherwise a taken name is an error.
+  """
+  def add(fn: Callable[[CreditInputs], Credit]):
+    if name in _SCHEMES and not replace:
+      raise ValueError(f"credit scheme {name!r} is already registered "
+                       "(pass replace=True to redefine it)")
+    _SCHEMES[name] = Scheme(name, fn, needs_values, needs_branches)
+    return fn
+  return add
+
+
+def schemes() -> tuple[str, ...]:
+  """The registered scheme names, built-ins first."""
+  return tuple(_SCHEMES)
+
+
+def scheme(name: str) -> Scheme:
+  if name not in _SCHEMES:
+    raise ValueError(f"unknown credit scheme {name!r}; known: {schemes()}")
+  return _SCHEMES[name]
 
 
 def group_ids_of(trajs: Sequence[Trajectory]) -> np.ndarray:
@@ -113,62 +196,117 @@ def branch_returns(trajs: Sequence[Trajectory],
   return returns, mask
 
 
-def assign(scheme: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
+def assign(name: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
            gamma: float = 1.0, lam: float = 0.95, num_turns: int | None = None,
            token_values: np.ndarray | None = None,
            branch_values: tuple[np.ndarray, np.ndarray] | None = None) -> TokenBatch:
-  """Fills `batch.advantages` (and `batch.returns` for "gae").
+  """Fills `batch.advantages` (and `batch.returns` where the scheme gives them).
 
   Args:
-    scheme: one of CREDIT_SCHEMES.
+    name: a registered scheme (`schemes()`).
     trajs: the N trajectories `batch` was collated from (same order), with
       `metadata["group_id"]`.
     gamma, lam: turn discount and GAE lambda.
     num_turns: T of the [N, T] turn arrays (default: the longest episode).
-    token_values: [B, L] value-head outputs on `batch` ("gae" only).
+    token_values: [B, L] value-head outputs on `batch` (schemes that need
+      values).
     branch_values: (returns [N, T, K], mask [N, T, K]) from `branch_returns`
-      ("branching" only). The bootstrap after a truncated episode is 0: its
-      continuations ran under the same turn budget, so their returns stop
-      there too.
+      (schemes that need branches). The bootstrap after a truncated episode
+      is 0 there: its continuations ran under the same turn budget, so their
+      returns stop there too.
   """
-  if scheme not in CREDIT_SCHEMES:
-    raise ValueError(f"unknown credit scheme {scheme!r}; known: {CREDIT_SCHEMES}")
-  groups = jnp.asarray(group_ids_of(trajs))
-  seq_ids, turn_index = jnp.asarray(batch.seq_ids), jnp.asarray(batch.turn_index)
-  if scheme in ("grpo", "drgrpo", "rloo"):
-    rewards = jnp.asarray([t.reward for t in trajs], jnp.float32)
-    if scheme == "rloo":
-      a = adv.rloo_advantages(rewards, groups)
-    else:
-      a = adv.grpo_advantages(rewards, groups, scale="std" if scheme == "grpo" else "none")
-    return batch.replace(advantages=np.asarray(
-        adv.broadcast_trajectory_values(a, seq_ids, turn_index)))
+  s = scheme(name)
   turn_rewards, turn_mask = turn_arrays(trajs, num_turns)
-  if scheme in ("turn_returns", "turn_grpo"):
-    per_turn = adv.discounted_returns(turn_rewards, turn_mask, gamma)
-    if scheme == "turn_grpo":
-      per_turn = adv.group_normalize_turns(per_turn, turn_mask, groups)
-    return batch.replace(advantages=np.asarray(
-        adv.paint_turn_values(per_turn, seq_ids, turn_index)))
-  terminated = jnp.asarray([t.terminated for t in trajs])
-  if scheme == "branching":
-    if branch_values is None:
-      raise ValueError("credit scheme 'branching' needs branch_values (branch_returns)")
-    returns, mask = branch_values
-    a = adv.branching_advantages(jnp.asarray(returns), jnp.asarray(mask), turn_rewards,
-                                 turn_mask, terminated, jnp.zeros(len(trajs)),
-                                 gamma=gamma)
-    return batch.replace(advantages=np.asarray(
-        adv.paint_turn_values(a, seq_ids, turn_index)))
-  if token_values is None:
-    raise ValueError("credit scheme 'gae' needs token_values from the value head")
-  values, bootstrap = turn_values_from_tokens(token_values, batch, len(trajs),
-                                              turn_rewards.shape[1])
-  a, returns = adv.gae_over_turns(turn_rewards, values * turn_mask, turn_mask,
-                                  terminated, gamma, lam, bootstrap)
+  values = bootstrap = None
+  if s.needs_values:
+    if token_values is None:
+      raise ValueError(f"credit scheme {name!r} needs token_values from the value head")
+    values, bootstrap = turn_values_from_tokens(token_values, batch, len(trajs),
+                                                turn_rewards.shape[1])
+  if s.needs_branches and branch_values is None:
+    raise ValueError(f"credit scheme {name!r} needs branch_values (branch_returns)")
+  inputs = CreditInputs(
+      trajectories=tuple(trajs),
+      rewards=jnp.asarray([t.reward for t in trajs], jnp.float32),
+      turn_rewards=turn_rewards, turn_mask=turn_mask,
+      group_ids=jnp.asarray(group_ids_of(trajs)),
+      terminated=jnp.asarray([t.terminated for t in trajs]),
+      truncated=jnp.asarray([t.truncated for t in trajs]),
+      gamma=gamma, lam=lam, values=values, bootstrap=bootstrap,
+      branch_returns=branch_values if s.needs_branches else None)
+  out = s.fn(inputs)
+  return paint(out, batch, len(trajs), turn_rewards.shape[1], name)
+
+
+def paint(out: Credit, batch: TokenBatch, num_trajs: int, num_turns: int,
+          name: str = "scheme") -> TokenBatch:
+  """`batch` with a scheme's advantages (and value targets) on its tokens."""
+  if (out.trajectory is None) == (out.turns is None):
+    raise ValueError(f"credit scheme {name!r} must return one of Credit.trajectory "
+                     "[N] or Credit.turns [N, T]")
+  want = (num_trajs,) if out.turns is None else (num_trajs, num_turns)
+  got = np.shape(out.trajectory if out.turns is None else out.turns)
+  if got != want:
+    raise ValueError(f"credit scheme {name!r} returned advantages of shape {got}; "
+                     f"expected {want}")
+  seq_ids, turn_index = jnp.asarray(batch.seq_ids), jnp.asarray(batch.turn_index)
+  if out.turns is None:
+    painted = adv.broadcast_trajectory_values(jnp.asarray(out.trajectory), seq_ids,
+                                              turn_index)
+  else:
+    painted = adv.paint_turn_values(jnp.asarray(out.turns), seq_ids, turn_index)
+  batch = batch.replace(advantages=np.asarray(painted))
+  if out.returns is None:
+    return batch
+  if np.shape(out.returns) != (num_trajs, num_turns):
+    raise ValueError(f"credit scheme {name!r} returned value targets of shape "
+                     f"{np.shape(out.returns)}; expected {(num_trajs, num_turns)}")
   on = np.asarray(decision_mask(turn_index)) & (batch.seq_ids >= 0)
   next_turn = np.pad(batch.turn_index[:, 1:], ((0, 0), (0, 1)), constant_values=0)
-  token_returns = np.where(on, np.asarray(returns)[np.maximum(batch.seq_ids, 0),
-                                                   np.maximum(next_turn, 0)], 0.0)
-  return batch.replace(advantages=np.asarray(adv.paint_turn_values(a, seq_ids, turn_index)),
-                       returns=token_returns.astype(np.float32))
+  token_returns = np.where(on, np.asarray(out.returns)[np.maximum(batch.seq_ids, 0),
+                                                       np.maximum(next_turn, 0)], 0.0)
+  return batch.replace(returns=token_returns.astype(np.float32))
+
+
+# -- The built-in schemes, registered as a user's would be. ---------------------
+
+
+@register("grpo")
+def _grpo(x: CreditInputs) -> Credit:
+  return Credit(trajectory=adv.grpo_advantages(x.rewards, x.group_ids, scale="std"))
+
+
+@register("drgrpo")
+def _drgrpo(x: CreditInputs) -> Credit:
+  return Credit(trajectory=adv.grpo_advantages(x.rewards, x.group_ids, scale="none"))
+
+
+@register("rloo")
+def _rloo(x: CreditInputs) -> Credit:
+  return Credit(trajectory=adv.rloo_advantages(x.rewards, x.group_ids))
+
+
+@register("turn_returns")
+def _turn_returns(x: CreditInputs) -> Credit:
+  return Credit(turns=adv.discounted_returns(x.turn_rewards, x.turn_mask, x.gamma))
+
+
+@register("turn_grpo")
+def _turn_grpo(x: CreditInputs) -> Credit:
+  per_turn = adv.discounted_returns(x.turn_rewards, x.turn_mask, x.gamma)
+  return Credit(turns=adv.group_normalize_turns(per_turn, x.turn_mask, x.group_ids))
+
+
+@register("gae", needs_values=True)
+def _gae(x: CreditInputs) -> Credit:
+  a, returns = adv.gae_over_turns(x.turn_rewards, x.values * x.turn_mask, x.turn_mask,
+                                  x.terminated, x.gamma, x.lam, x.bootstrap)
+  return Credit(turns=a, returns=returns)
+
+
+@register("branching", needs_branches=True)
+def _branching(x: CreditInputs) -> Credit:
+  returns, mask = x.branch_returns
+  return Credit(turns=adv.branching_advantages(
+      jnp.asarray(returns), jnp.asarray(mask), x.turn_rewards, x.turn_mask, x.terminated,
+      jnp.zeros(len(x.trajectories)), gamma=x.gamma))

@@ -29,7 +29,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-  credit: str  # advantage estimator (`credit.CREDIT_SCHEMES`)
+  credit: str  # advantage estimator (a registered `credit` scheme)
   agg: str  # loss aggregation mode (`losses.LOSS_AGG_MODES`)
   norm: str | None  # "token_budget": C = max_turns x max_action_tokens; None: no C
   filter_zero_variance: bool

@@ -123,11 +123,13 @@ class RLTrainer:
     if cfg.tasks_per_iteration % jax.process_count():
       raise ValueError(f"tasks_per_iteration={cfg.tasks_per_iteration} must divide by "
                        f"the {jax.process_count()} processes")
-    if cfg.token_budget is not None and cfg.credit == "branching":
-      raise ValueError("branching replays finished episodes of this iteration's tasks; "
-                       "it cannot run with partial rollouts (token_budget)")
+    self._credit = credit.scheme(cfg.credit)
+    if cfg.token_budget is not None and self._credit.needs_branches:
+      raise ValueError(f"credit scheme {cfg.credit!r} replays finished episodes of this "
+                       "iteration's tasks; it cannot run with partial rollouts "
+                       "(token_budget)")
     self._rows = None if step.mesh is None else sharding.batch_sharding(step.mesh)
-    if cfg.credit == "gae":
+    if self._credit.needs_values:
       # Values come back row-sharded: each process reads its own rows.
       self._values = jax.jit(self._values_impl, out_shardings=self._rows)
 
@@ -163,9 +165,9 @@ class RLTrainer:
              else _padding_batch(num_rows, length))
     to_global = lambda b: distributed.global_batch(b, self._rows)
     values = (distributed.local_rows(self._values(self.state.params, to_global(batch)))
-              if cfg.credit == "gae" else None)
+              if self._credit.needs_values else None)
     branch_values = None
-    if cfg.credit == "branching":
+    if self._credit.needs_branches:
       episodes, steps = 0.0, 0.0
       if trajs:
         branch_values, episodes, steps = branch_values_of(

@@ -44,7 +44,7 @@ def get_config():
       num_train_tasks=400, num_eval_tasks=64))
   c.model = ml_collections.ConfigDict(dict(
       path="", tokenizer="", arch="llama", dtype="float32", tiny={},
-      value_head=False))  # always True when rl.credit == "gae"
+      value_head=False))  # always True when the credit scheme needs values (gae)
   c.sampler = ml_collections.ConfigDict(dict(
       num_slots=64, cache_length=768, length_buckets=(32, 64, 128, 256),
       # Cache windows a decode may attend over (one program each); (): the
@@ -98,8 +98,9 @@ def validate(cfg) -> None:
       ("rl.tasks_per_iteration", cfg.rl.tasks_per_iteration >= 1, "must be >= 1"),
       ("rollout.max_turns", cfg.rollout.max_turns >= 1, "must be >= 1"),
       ("rollout.env_workers", cfg.rollout.env_workers >= 1, "must be >= 1"),
-      ("rl.credit", cfg.rl.credit in credit.CREDIT_SCHEMES,
-       f"must be one of {credit.CREDIT_SCHEMES}"),
+      ("rl.credit", cfg.rl.credit in credit.schemes(),
+       f"must be one of {credit.schemes()} (or a scheme registered with "
+       "credit.register before the config is read)"),
       ("algorithm", cfg.algorithm in ("", *presets.PRESETS),
        f"must be one of {('', *presets.PRESETS)}"),
       ("loss.agg", cfg.loss.agg in losses.LOSS_AGG_MODES,
