@@ -28,6 +28,12 @@ def llama_pair(*, layers=2, hidden=128, vocab=512, seed=0):
   return torch_model, ours
 
 
+def torch_token_logprobs(model, tokens):
+  """[B, L - 1] float32 log-probs of tokens[:, 1:] under a transformers model."""
+  logits = model(input_ids=tokens).logits
+  return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
 def median_time(fn, repeats=5):
   """Median wall seconds of `fn()` over `repeats` runs after one warm-up."""
   return median_times([fn], repeats)[0]

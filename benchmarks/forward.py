@@ -10,7 +10,7 @@ log-probs of the tokens w.r.t. all parameters.
 
 import argparse
 
-from common import llama_pair, median_time
+from common import llama_pair, median_time, torch_token_logprobs
 from flax import nnx
 import jax
 import numpy as np
@@ -43,10 +43,7 @@ def main():
 
   def torch_bwd():
     tmodel.zero_grad()
-    logits = tmodel(input_ids=ttokens).logits
-    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
-        -1, ttokens[:, 1:, None]).sum()
-    lp.backward()
+    torch_token_logprobs(tmodel, ttokens).sum().backward()
 
   rows = [
       ("forward", lambda: jax.block_until_ready(fwd(model, jtokens)), torch_fwd),

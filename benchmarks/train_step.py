@@ -40,7 +40,7 @@ import re
 import subprocess
 import sys
 
-from common import llama_pair, median_times
+from common import llama_pair, median_times, torch_token_logprobs
 import jax
 import numpy as np
 import torch
@@ -84,11 +84,6 @@ def random_batch(rng, size: Size, lengths, bucket):
   return b.replace(advantages=b.loss_mask * rng.normal(size=b.loss_mask.shape).astype(np.float32))
 
 
-def _token_logprobs(model, tokens):
-  logits = model(input_ids=tokens).logits
-  return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
-
-
 def torch_step(policy, ref, opt, tokens, mask, adv, old):
   """The reference text's agentic_grpo_step loss, on one prepared batch.
 
@@ -98,8 +93,8 @@ def torch_step(policy, ref, opt, tokens, mask, adv, old):
   autograd holds only the log-softmax its backward needs.
   """
   with torch.no_grad():
-    rlp = _token_logprobs(ref, tokens)
-  logp = _token_logprobs(policy, tokens)
+    rlp = torch_token_logprobs(ref, tokens)
+  logp = torch_token_logprobs(policy, tokens)
   m, a, o = mask[:, 1:], adv[:, 1:], old[:, 1:]
   ratio = torch.exp(logp - o)
   pg = -torch.min(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)

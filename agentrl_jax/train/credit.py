@@ -235,11 +235,11 @@ def assign(name: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
       gamma=gamma, lam=lam, values=values, bootstrap=bootstrap,
       branch_returns=branch_values if s.needs_branches else None)
   out = s.fn(inputs)
-  return paint(out, batch, len(trajs), turn_rewards.shape[1], name)
+  return _paint(out, batch, len(trajs), turn_rewards.shape[1], name)
 
 
-def paint(out: Credit, batch: TokenBatch, num_trajs: int, num_turns: int,
-          name: str = "scheme") -> TokenBatch:
+def _paint(out: Credit, batch: TokenBatch, num_trajs: int, num_turns: int,
+           name: str) -> TokenBatch:
   """`batch` with a scheme's advantages (and value targets) on its tokens."""
   if (out.trajectory is None) == (out.turns is None):
     raise ValueError(f"credit scheme {name!r} must return one of Credit.trajectory "
