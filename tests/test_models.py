@@ -74,6 +74,28 @@ def test_logits_match_transformers_with_padding(checkpoint):
   np.testing.assert_array_less(np.abs(got - want)[attn > 0].max(), 1e-4)
 
 
+def test_rows_long_enough_for_query_blocks_match_transformers(checkpoint):
+  # 200 tokens train in 3 query blocks (edges 67, 133), each attending to
+  # the keys up to its own end; padding and a packed row cross the edges.
+  arch, tmodel, path = checkpoint
+  model = models.from_pretrained(path)
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, 97, (3, 200))
+  lengths = np.array([200, 131, 60])
+  attn = (np.arange(200)[None] < lengths[:, None]).astype(np.int64)
+  want = _torch_logits(tmodel, tokens, attn)
+  got = np.asarray(model(jnp.asarray(tokens), None, jnp.asarray(np.where(attn > 0, 0, -1))))
+  np.testing.assert_array_less(np.abs(got - want)[attn > 0].max(), 1e-4)
+  # Row 1 packs its 131 tokens with the first 69 of row 2 (positions restart).
+  packed = np.concatenate([tokens[1, :131], tokens[2, :69]])[None]
+  positions = np.concatenate([np.arange(131), np.arange(69)])[None]
+  seq_ids = np.repeat([0, 1], [131, 69])[None]
+  got = np.asarray(model(jnp.asarray(packed), jnp.asarray(positions), jnp.asarray(seq_ids)))[0]
+  alone = _torch_logits(tmodel, tokens[2:, :69], np.ones((1, 69), np.int64))[0]
+  np.testing.assert_array_less(np.abs(got[:131] - want[1, :131]).max(), 1e-4)
+  np.testing.assert_array_less(np.abs(got[131:] - alone).max(), 1e-4)
+
+
 def test_packed_row_equals_separate_rows(checkpoint):
   _, _, path = checkpoint
   model = models.from_pretrained(path)

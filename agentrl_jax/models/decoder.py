@@ -105,8 +105,19 @@ class RMSNorm(nnx.Module):
     return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
+class _Linear(nnx.Linear):
+  """nnx.Linear on a 2-D view: the weight gradient of an [..., din] input
+  contracts over every leading axis, and XLA:CPU runs a dot with several
+  contracting axes on a slow generic path (the tiny model's forward +
+  backward took 197 ms instead of 150)."""
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = super().__call__(x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs):
-  return nnx.Linear(
+  return _Linear(
       din, dout, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
       kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
@@ -142,14 +153,35 @@ class Attention(nnx.Module):
     # Head-major layout ([B, KV, G, L, D] x [B, KV, S, D]): ~1.7x faster
     # than contracting in the token-major layout on XLA:CPU.
     q = q.reshape(b, l, kv, g, hd).transpose(0, 2, 3, 1, 4)
-    # Scores and softmax in float32 (bf16 exp/sum over long contexts drifts).
-    scores = jnp.einsum("bkgld,bksd->bkgls", q, k,
-                        preferred_element_type=jnp.float32) / math.sqrt(hd)
-    scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgls,bksd->bkgld", probs, v)
+    if cache_kv is None:
+      # Training rows are causal in index order, so a block of queries needs
+      # the keys up to its own end only: the masked upper triangle is
+      # skipped (4 blocks of a 256-token row compute 62% of the scores;
+      # the tiny model's forward + backward takes 12% less).
+      edges = _query_blocks(l)
+      out = jnp.concatenate(
+          [_attend(q[:, :, :, a:e], k[:, :, :e], v[:, :, :e], mask[:, a:e, :e])
+           for a, e in zip(edges, edges[1:])], axis=3)
+    else:
+      out = _attend(q, k, v, mask)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, l, -1)
     return self.o_proj(out), cache_kv
+
+
+def _query_blocks(length: int) -> list[int]:
+  """Edges of up to 8 query blocks of at least 64 tokens each."""
+  n = max(1, min(8, length // 64))
+  return [round(i * length / n) for i in range(n + 1)]
+
+
+def _attend(q, k, v, mask):
+  """q [B, KV, G, L, D], k and v [B, KV, S, D], mask [B, L, S] -> [B, KV, G, L, D]."""
+  # Scores and softmax in float32 (bf16 exp/sum over long contexts drifts).
+  scores = jnp.einsum("bkgld,bksd->bkgls", q, k,
+                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  scores = jnp.where(mask[:, None, None], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgls,bksd->bkgld", probs, v)
 
 
 class MLP(nnx.Module):
