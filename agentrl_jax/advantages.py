@@ -11,7 +11,8 @@ Three regimes (reference text, "Credit Assignment"):
 - turn level: a value per turn (`discounted_returns`, `gae_over_turns`,
   `branching_advantages`), painted onto that turn's action tokens;
 - optional group normalisation of turn-level values
-  (`group_normalize_turns`).
+  (`group_normalize_turns`), or both levels at once: `gigpo_advantages`
+  adds turn-level advantages over the turns taken from the same state.
 """
 
 from __future__ import annotations
@@ -257,6 +258,43 @@ def group_normalize_turns(turn_values: jax.Array, turn_mask: jax.Array,
   if scale == "std":
     centred = centred / (std[:, None] + eps)
   return centred
+
+
+def gigpo_advantages(rewards: jax.Array, group_ids: jax.Array,
+                     turn_returns: jax.Array, step_group_ids: jax.Array,
+                     turn_mask: jax.Array, *, omega: float = 1.0,
+                     scale: str = "std", eps: float = 1e-6) -> jax.Array:
+  """GiGPO: episode-level plus step-level group-relative advantages.
+
+  (Feng et al. 2025, "Group-in-Group Policy Optimization".) A[i, t] =
+  A^E_i + omega * A^S[i, t]: A^E is `grpo_advantages` of the episode
+  returns over the task's group; A^S normalises turn t's discounted
+  return-to-go over its step group, the real turns of the task's rollouts
+  taken from the same environment state (an anchor state), with the same
+  scale. A step group of one turn has no baseline and gets A^S = 0, as a
+  singleton task group gets A^E = 0 (verl-agent's code instead gives it its
+  raw return, mean 0 and std 1). omega = 0 is GRPO.
+
+  Args:
+    rewards: [N] episode returns. group_ids: [N] int task groups.
+    turn_returns: [N, T] discounted returns-to-go (`discounted_returns`).
+    step_group_ids: [N, T] int, equal for turns of one step group (any
+      value on padding turns).
+    turn_mask: [N, T] 1 on real turns.
+  Returns:
+    [N, T] float32, 0 on padding turns.
+  """
+  if scale not in ADVANTAGE_SCALES:
+    raise ValueError(f"unknown scale {scale!r}; known: {ADVANTAGE_SCALES}")
+  chex.assert_rank([turn_returns, step_group_ids, turn_mask], 2)
+  chex.assert_equal_shape([turn_returns, step_group_ids, turn_mask])
+  chex.assert_type(step_group_ids, int)
+  episode = grpo_advantages(rewards, group_ids, scale=scale, eps=eps)
+  flat = lambda a: a.reshape(-1, 1)
+  centred, std, _ = _group_stats(flat(turn_returns.astype(jnp.float32)), flat(turn_mask),
+                                 step_group_ids.reshape(-1))
+  step = centred[:, 0] if scale == "none" else centred[:, 0] / (std + eps)
+  return (episode[:, None] + omega * step.reshape(turn_mask.shape)) * turn_mask
 
 
 def paint_turn_values(turn_values: jax.Array, seq_ids: jax.Array,

@@ -132,6 +132,7 @@ class _Episode:
   versions: list = dataclasses.field(default_factory=list)
   context_start: int = 1  # segments[context_start:] follow the prompt in the cache
   context_starts: list = dataclasses.field(default_factory=list)  # per action
+  state_keys: list = dataclasses.field(default_factory=list)  # info["state_key"] per state
   pending: list | None = None  # tokens to feed before the next action
   fresh: bool = True  # pending starts the slot's context (prefill)
   observation: str = ""  # last observation (the expert's input)
@@ -463,9 +464,9 @@ class RolloutEngine:
   @staticmethod
   def _replay(ep: _Episode, task: Task) -> _Replayed:
     """Resets and replays the recorded actions (in the env's thread)."""
-    observation, _ = env_calls.checked_reset(ep.env.reset(task))
-    return _Replayed(observation, [env_calls.checked_step(ep.env.step(a))
-                                   for a in ep.replay_actions])
+    observation, info = env_calls.checked_reset(ep.env.reset(task))
+    return _Replayed(observation, info.get("state_key"),
+                     [env_calls.checked_step(ep.env.step(a)) for a in ep.replay_actions])
 
   def _collect_replay(self, ep: _Episode, replayed: _Replayed) -> None:
     """Checks the replay reproduced the recording, then queues the prefix."""
@@ -476,6 +477,7 @@ class RolloutEngine:
     prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, replayed.observation)
     if tuple(prompt) != ep.replay[0].token_ids:
       mismatch("prompt")
+    ep.state_keys = [replayed.state_key]
     for k, result in enumerate(replayed.steps):
       action, recorded = ep.replay[1 + 2 * k], ep.replay[2 + 2 * k]
       ep.observation = self._clip_observation(result.observation)
@@ -485,6 +487,7 @@ class RolloutEngine:
       if k < len(ep.rewards_check) and result.reward != ep.rewards_check[k]:
         mismatch(f"reward at turn {k}")
       _count_step(ep, result)
+      ep.state_keys.append(result.info.get("state_key"))
     ep.segments = list(ep.replay)
     ep.context_starts = [ep.context_start] * len(replayed.steps)
     ep.pending = [t for s in ep.segments for t in s.token_ids]
@@ -502,6 +505,7 @@ class RolloutEngine:
       return
     if isinstance(result, tuple):  # reset -> (observation, info)
       ep.observation = result[0]
+      ep.state_keys.append(result[1].get("state_key"))
       prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0])
       ep.segments.append(Segment(Role.SYSTEM, prompt))
       if len(prompt) + 1 > self.max_context:  # no room for a single action
@@ -528,6 +532,7 @@ class RolloutEngine:
       ep.finish("env_truncated" if result.truncated else "max_turns")
       return
     ep.segments.append(Segment(Role.OBSERVATION, delta))
+    ep.state_keys.append(result.info.get("state_key"))
     ep.pending = delta
     if self._slide_window(ep):
       # The slot restarts from the new window (its cached keys and positions
@@ -601,6 +606,7 @@ class RolloutEngine:
             "stop_reason": ep.stop_reason, "env_error": ep.error}
 
   def _record(self, ep: _Episode) -> Trajectory:
+    n = sum(s.role == Role.ASSISTANT for s in ep.segments)
     return Trajectory(
         segments=ep.segments, reward=float(sum(ep.rewards)),
         turn_rewards=list(ep.rewards), terminated=ep.terminated,
@@ -617,6 +623,9 @@ class RolloutEngine:
             # Policy versions between the oldest turn and the update it feeds.
             "staleness": (self._version - min(ep.versions)) if ep.versions else 0,
             "success": bool(ep.terminated and ep.parts.get("outcome", 0.0) > 0),
+            # The state each action was taken in (GiGPO's anchors); None
+            # where the environment reports no key.
+            "state_keys": (ep.state_keys + [None] * n)[:n],
         })
 
 
@@ -640,6 +649,7 @@ def _count_step(ep: _Episode, result: StepResult) -> None:
 @dataclasses.dataclass
 class _Replayed:
   observation: str  # the reset observation
+  state_key: Any  # the reset state's info["state_key"] (None without one)
   steps: list[StepResult]  # what each replayed action returned
 
 

@@ -24,7 +24,7 @@ CONFIGS = {
     "default": default.get_config, "calculator": calculator.get_config,
     "search_qa": search_qa.get_config, "python_tool": python_tool.get_config,
     **{f"frozen_lake_turn_credit:{s}": (lambda s=s: frozen_lake_turn_credit.get_config(s))
-       for s in ("turn_returns", "turn_grpo", "gae", "branching")},
+       for s in ("turn_returns", "turn_grpo", "gae", "branching", "gigpo")},
 }
 
 

@@ -188,3 +188,79 @@ def test_scheme_registry_errors():
     credit.assign("test_shape", trajs, batch)
   with pytest.raises(ValueError, match="value targets of shape"):
     credit.assign("test_returns", trajs, batch)
+
+
+def _gigpo_trajs(keys_c=("s0",)):
+  """Group 0: A keys s0 s1, rewards 0 1; B keys s0 s2 s1, rewards 0 0 0;
+  C keys `keys_c`, reward .5. Group 1: D key s0, reward 1."""
+  specs = [(0, ["s0", "s1"], [0.0, 1.0]), (0, ["s0", "s2", "s1"], [0.0, 0.0, 0.0]),
+           (0, list(keys_c), [0.5]), (1, ["s0"], [1.0])]
+  out = []
+  for group, keys, rewards in specs:
+    segs = [Segment(Role.SYSTEM, [1, 2])]
+    for k in range(len(rewards)):
+      segs += [Segment(Role.ASSISTANT, [10 + k] * 2, [-1.0] * 2), Segment(Role.OBSERVATION, [7])]
+    out.append(Trajectory(segs, reward=sum(rewards), turn_rewards=rewards, terminated=True,
+                          metadata={"group_id": group, "state_keys": keys}))
+  return out
+
+
+def test_gigpo_by_hand():
+  trajs = _gigpo_trajs()
+  batch = collate(trajs, buckets=(32,), pack=True)
+  got = credit.assign("gigpo", trajs, batch, gamma=1.0)
+  # Episode level: group 0 returns [1, 0, .5], mean .5, population std
+  # sqrt(1/6): A^E = [+-sqrt(1.5), 0]. Step groups (gamma 1, returns-to-go):
+  # (0, s0): A 1, B 0, C .5 -> the same as A^E; (0, s1): A's turn 1 (1) and
+  # B's turn 2 (0) -> +-1; (0, s2) is B's alone and (1, s0) D's alone -> 0.
+  e = np.sqrt(1.5)
+  assert _per_turn(got, 0) == pytest.approx([2 * e, e + 1], abs=1e-5)
+  assert _per_turn(got, 1) == pytest.approx([-2 * e, -e, -e - 1], abs=1e-5)
+  assert _per_turn(got, 2) == pytest.approx([0.0], abs=1e-5)
+  assert _per_turn(got, 3) == pytest.approx([0.0], abs=1e-5)
+  # Without a key C's turn forms no step group; (0, s0) is then A and B: +-1.
+  trajs = _gigpo_trajs(keys_c=[None])
+  got = credit.assign("gigpo", trajs, batch, gamma=1.0)
+  assert _per_turn(got, 0) == pytest.approx([e + 1, e + 1], abs=1e-5)
+  assert _per_turn(got, 2) == pytest.approx([0.0], abs=1e-5)
+
+
+def test_gigpo_with_omega_zero_is_grpo_and_discounts_step_returns():
+  trajs = _gigpo_trajs()
+  batch = collate(trajs, buckets=(32,))
+  credit.register("gigpo_episode_only", replace=True)(
+      lambda x: credit.gigpo(x, omega=0.0))
+  got = credit.assign("gigpo_episode_only", trajs, batch, gamma=0.9)
+  np.testing.assert_allclose(got.advantages, credit.assign("grpo", trajs, batch).advantages,
+                             atol=1e-6)
+  # gamma .9: (0, s0) returns-to-go A .9, B 0, C .5: mean 1.4 / 3.
+  x = np.array([0.9, 0.0, 0.5])
+  step = (x - x.mean()) / x.std()
+  got = credit.assign("gigpo", trajs, batch, gamma=0.9)
+  e = np.sqrt(1.5)
+  assert [_per_turn(got, i)[0] for i in range(3)] == pytest.approx(
+      [e + step[0], -e + step[1], step[2]], abs=1e-5)
+
+
+def test_gigpo_against_a_float64_reference():
+  rng = np.random.default_rng(0)
+  n, t = 12, 5
+  rewards = rng.normal(size=n)
+  groups = rng.integers(0, 3, n)
+  returns = rng.normal(size=(n, t))
+  lengths = rng.integers(1, t + 1, n)
+  mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
+  keys = rng.integers(0, 3, (n, t))
+  steps = np.asarray(groups[:, None] * 10 + keys, np.int32)
+  got = np.asarray(adv.gigpo_advantages(rewards, groups.astype(np.int32), returns, steps, mask,
+                                        omega=0.7))
+  want = np.zeros((n, t))
+  for i in range(n):
+    g = groups == groups[i]
+    a_e = (rewards[i] - rewards[g].mean()) / (rewards[g].std() + 1e-6) if g.sum() > 1 else 0.0
+    for k in range(lengths[i]):
+      same = (steps == steps[i, k]) & (mask > 0)
+      vals = returns[same]
+      a_s = (returns[i, k] - vals.mean()) / (vals.std() + 1e-6) if len(vals) > 1 else 0.0
+      want[i, k] = a_e + 0.7 * a_s
+  np.testing.assert_allclose(got, want, atol=1e-5)

@@ -264,6 +264,29 @@ def test_frozen_lake_goal_and_unknown_move():
   assert after.reward == 0.0
 
 
+def test_state_keys():
+  env = FrozenLakeEnv()
+  _, info = env.reset(LAKE)
+  assert info["state_key"] == (0, 0)
+  assert env.step("<move>up</move>").info["state_key"] == (0, 0)  # the wall
+  assert env.step("<move>jump</move>").info["state_key"] == (0, 0)  # malformed
+  assert env.step("<move>right</move>").info["state_key"] == (0, 1)
+  calc = CalculatorEnv()
+  _, info = calc.reset(Task("t", "Add  2\nand 3", {"answer": 5, "steps": ("2 + 3",)}, 0))
+  assert info["state_key"] == "Problem: Add 2 and 3"
+  assert calc.step("<calc>2+3</calc>").info["state_key"] == "2+3 = 5"
+  task = SearchQAEnv.tasks("test", 1, 0, hops=(1,))[0]
+  search = SearchQAEnv()
+  _, info = search.reset(task)
+  assert info["state_key"] == (f"Question: {task.prompt}", ())
+  first = search.step(f"<search>{task.data['person']}</search>")
+  again = search.step(f"<search>{task.data['person']}</search>")
+  # The same results, but the gold passage is credited from the first on.
+  assert first.info["state_key"] == again.info["state_key"]
+  assert first.info["state_key"][1] == tuple(task.data["gold_passages"])
+  assert first.info["state_key"][0] == " ".join(first.observation.split())
+
+
 def test_frozen_lake_levels_match_size():
   tasks = FrozenLakeEnv.tasks("train", 40, 0, sizes=(4, 5, 6))
   assert {t.level for t in tasks} == {0, 1, 2}

@@ -37,7 +37,7 @@ class CountdownEnv:
   def reset(self, task):
     self.task, self.left = task, task.data["steps"]
     self.seen.append(("reset", task.task_id))
-    return f"Task {task.task_id}: go.", {}
+    return f"Task {task.task_id}: go.", {"state_key": ("left", self.left)}
 
   def step(self, action):
     self.seen.append(("step", action))
@@ -46,7 +46,8 @@ class CountdownEnv:
       raise RuntimeError("tool crashed")
     obs = f"You said {len(action)} chars; {self.left} left{self.suffix}"
     return StepResult(obs, 1.0, self.left <= 0, False,
-                      {"tool_call": True, "reward_parts": {"outcome": 1.0}})
+                      {"tool_call": True, "reward_parts": {"outcome": 1.0},
+                       "state_key": ("left", self.left)})
 
   def close(self):
     pass
@@ -384,6 +385,19 @@ def test_branch_replays_the_prefix_and_samples_on(tok, model, sampler):
   (traj,) = engine.run(tasks[:1]).trajectories
   with pytest.raises(ValueError, match="replays exactly"):
     engine.branch([(tasks[0], traj, 1)], 2)
+
+
+def test_the_state_of_every_turn_is_recorded_also_through_a_branch(tok, sampler):
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=8))
+  tasks = _tasks(2, steps=(5, 2))
+  trajs = engine.run(tasks, seed=0).trajectories
+  # The key of the state each action was taken in: "left" before the action.
+  assert trajs[0].metadata["state_keys"] == [("left", 5), ("left", 4), ("left", 3)]
+  assert trajs[1].metadata["state_keys"] == [("left", 2), ("left", 1)]
+  (conts,) = engine.branch([(tasks[0], trajs[0], 2)], 2, seed=1)
+  for c in conts:  # two replayed turns, one sampled
+    assert c.metadata["state_keys"] == [("left", 5), ("left", 4), ("left", 3)]
 
 
 def test_the_tokenizers_eos_always_stops_an_action(tok, sampler):

@@ -18,6 +18,11 @@
   returns `EPISODE_OVER`, reward 0 and the same flag, and changes nothing.
 - Isolation (convention 6): one instance per episode; `reset` must fully
   reset whatever state the instance holds.
+- State keys: an environment that can tell when two episodes of one task
+  stand in the same state reports a hashable `info["state_key"]` from
+  `reset` and every `step` (equal keys: the same state). GiGPO groups the
+  turns taken from one state (`TextEnvironment.state_key`); without a key a
+  turn has no such group.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import hashlib
 import math
 import re
 import traceback
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
 
 REWARD_PARTS = ("outcome", "format", "cost", "process")
 EPISODE_OVER = "The episode is over."  # the observation of any step after the end
@@ -118,6 +123,12 @@ class Expert(Protocol):
     ...
 
 
+def canonical_text(text: str) -> str:
+  """`text` with its whitespace runs as single spaces: a state key made of
+  what an observation says, not how it is laid out."""
+  return " ".join(text.split())
+
+
 def reward_parts(**parts: float) -> dict[str, float]:
   """A full parts dict (missing parts are 0); raises on unknown or non-finite."""
   unknown = set(parts) - set(REWARD_PARTS)
@@ -155,7 +166,8 @@ class TextEnvironment(abc.ABC):
 
   def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
     self.task, self.turns, self.ended = task, 0, False
-    return self._reset(task), {"task_id": task.task_id}
+    observation = self._reset(task)
+    return observation, self._with_key({"task_id": task.task_id}, observation)
 
   def step(self, action: str) -> StepResult:
     if self.task is None:
@@ -179,10 +191,22 @@ class TextEnvironment(abc.ABC):
     info = {"tool_call": False, "tool_error": False, **info, "reward_parts": parts,
             "turn": self.turns}
     self.ended = bool(terminated)
-    return StepResult(observation, sum(parts.values()), self.ended, False, info)
+    return StepResult(observation, sum(parts.values()), self.ended, False,
+                      self._with_key(info, observation))
 
   def close(self) -> None:
     self.task = None
+
+  def state_key(self, observation: str) -> Hashable | None:
+    """A hashable key of the state the environment is in after returning
+    `observation` (equal keys: the same state of the same task), or None
+    when the environment cannot tell (the default)."""
+    del observation
+    return None
+
+  def _with_key(self, info: dict[str, Any], observation: str) -> dict[str, Any]:
+    key = self.state_key(observation)
+    return info if key is None else {**info, "state_key": key}
 
   def reject(self, call: tuple[str, str] | None, tools: Sequence[str],
              usage: Sequence[str]) -> tuple[str, dict, bool, dict] | None:

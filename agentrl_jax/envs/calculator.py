@@ -17,7 +17,8 @@ import random
 import re
 from typing import Any, Callable
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split, tool_call
+from agentrl_jax.envs.base import (Expert, Task, TextEnvironment, canonical_text, hashed_split,
+                                   tool_call)
 
 SPLITS = ("train", "test")
 MAX_EXPRESSION_CHARS = 200  # also bounds the recursion depth of `_evaluate`
@@ -203,6 +204,10 @@ class CalculatorEnv(TextEnvironment):
 
   def _reset(self, task: Task) -> str:
     return f"Problem: {task.prompt}"
+
+  def state_key(self, observation: str) -> str:
+    """The observation: the calculator keeps no state between calls."""
+    return canonical_text(observation)
 
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
     call = tool_call(action)

@@ -149,6 +149,11 @@ class FrozenLakeEnv(TextEnvironment):
       message += " You reached the goal!"
     return f"{message}\n\n{self._render()}", parts, terminated, {"position": after}
 
+  def state_key(self, observation: str) -> tuple[int, int]:
+    """The position: on one map, that is the whole state."""
+    del observation
+    return self._cell()
+
   def close(self) -> None:
     self._close_gym()
     super().close()

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import numpy as np
 from rank_bm25 import BM25Okapi
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment, tool_call
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, canonical_text, tool_call
 
 SPLITS = ("train", "test")
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
@@ -222,6 +222,11 @@ class SearchQAEnv(TextEnvironment):
   def _reset(self, task: Task) -> str:
     self._credited = set()
     return f"Question: {task.prompt}"
+
+  def state_key(self, observation: str) -> tuple[str, tuple[int, ...]]:
+    """The observation, and the gold passages already credited (they pay
+    no process bonus again, so they are part of the state)."""
+    return canonical_text(observation), tuple(sorted(self._credited))
 
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
     call = tool_call(action)

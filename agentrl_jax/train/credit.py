@@ -16,6 +16,9 @@ registered scheme (`schemes()`):
   branching     critic-free per-turn TD advantages with Monte-Carlo values
                 V(s_t) from continuations sampled at each turn
                 (`RolloutEngine.branch`, `branch_returns`)
+  gigpo         GRPO plus turn-level advantages over the turns the group's
+                rollouts took from the same state (GiGPO, omega = 1; the
+                environment's info["state_key"]: `gigpo`)
 
 A scheme of one's own, e.g. in an experiment's config file:
 
@@ -31,7 +34,7 @@ rewards the environment reported (outcome, format, cost and process parts).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +65,9 @@ class CreditInputs:
   # Schemes registered with needs_branches: Monte-Carlo returns of the state
   # before each turn (`branch_returns`): ([N, T, K], mask [N, T, K]).
   branch_returns: tuple[np.ndarray, np.ndarray] | None = None
+  # Per trajectory, the environment's key of the state each turn was taken
+  # in (info["state_key"]; None where it reports none).
+  state_keys: tuple[tuple[Hashable | None, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +165,20 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
   return values, bootstrap
 
 
+def anchor_groups(group_ids: np.ndarray, state_keys: Sequence[Sequence[Hashable | None]],
+                  num_turns: int) -> np.ndarray:
+  """[N, T] int32 step-group ids: equal for the turns of one task group
+  taken from states with equal keys; unique for a turn without a key."""
+  ids: dict[tuple[int, Hashable], int] = {}
+  out = np.zeros((len(group_ids), num_turns), np.int32)
+  for i, keys in enumerate(state_keys):
+    for t in range(num_turns):
+      key = keys[t] if t < len(keys) else None
+      anchor = (int(group_ids[i]), key) if key is not None else ("no key", i, t)
+      out[i, t] = ids.setdefault(anchor, len(ids))
+  return out
+
+
 def _return_to_go(traj: Trajectory, t: int, gamma: float) -> float:
   rewards, _ = turn_arrays([traj])
   return float(sum(gamma ** k * r for k, r in enumerate(rewards[0, t:])))
@@ -233,7 +253,8 @@ def assign(name: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
       terminated=jnp.asarray([t.terminated for t in trajs]),
       truncated=jnp.asarray([t.truncated for t in trajs]),
       gamma=gamma, lam=lam, values=values, bootstrap=bootstrap,
-      branch_returns=branch_values if s.needs_branches else None)
+      branch_returns=branch_values if s.needs_branches else None,
+      state_keys=tuple(tuple(t.metadata.get("state_keys", ())) for t in trajs))
   out = s.fn(inputs)
   return _paint(out, batch, len(trajs), turn_rewards.shape[1], name)
 
@@ -310,3 +331,21 @@ def _branching(x: CreditInputs) -> Credit:
   return Credit(turns=adv.branching_advantages(
       jnp.asarray(returns), jnp.asarray(mask), x.turn_rewards, x.turn_mask, x.terminated,
       jnp.zeros(len(x.trajectories)), gamma=x.gamma))
+
+
+def gigpo(x: CreditInputs, *, omega: float = 1.0, scale: str = "std") -> Credit:
+  """GiGPO (`advantages.gigpo_advantages`) on the discounted returns-to-go.
+
+  A turn whose environment reported no state key forms no step group: it
+  gets the episode-level advantage only (all turns of python_tool, say).
+  Another weight is a scheme of its own:
+  `credit.register("gigpo_half")(functools.partial(credit.gigpo, omega=0.5))`.
+  """
+  returns = adv.discounted_returns(x.turn_rewards, x.turn_mask, x.gamma)
+  steps = anchor_groups(np.asarray(x.group_ids), x.state_keys, x.turn_mask.shape[1])
+  return Credit(turns=adv.gigpo_advantages(
+      x.rewards, x.group_ids, returns, jnp.asarray(steps), jnp.asarray(x.turn_mask),
+      omega=omega, scale=scale))
+
+
+register("gigpo")(gigpo)

@@ -6,9 +6,11 @@
 
 The config string after ':' picks the scheme: turn_returns (discounted
 return-to-go), turn_grpo (group-normalised return-to-go), gae (value head,
-GAE over turns) or branching (Monte-Carlo values from `rl.branch_size`
-continuations sampled before every turn; several times the rollout cost). The shaped reward (0.1 per cell closer to G) gives per-turn
-signal to assign.
+GAE over turns), branching (Monte-Carlo values from `rl.branch_size`
+continuations sampled before every turn; several times the rollout cost)
+or gigpo (GRPO plus turn-level advantages over the turns a group's
+rollouts took from the same cell). The shaped reward (0.1 per cell closer
+to G) gives per-turn signal to assign.
 """
 
 import os
