@@ -34,7 +34,7 @@ from agentrl_jax.trajectory import collate, turn_arrays  # pylint: disable=wrong
 from configs import frozen_lake_turn_credit  # pylint: disable=wrong-import-position
 import train_agent  # pylint: disable=wrong-import-position
 
-SCHEMES = ("grpo", "drgrpo", "turn_returns", "gae", "branching")
+SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "gae", "branching", "gigpo")
 
 # Overrides of configs/frozen_lake_turn_credit.py per size.
 SIZES = {
@@ -227,14 +227,15 @@ def sampled_success(size: str, root, schemes=SCHEMES, *, samples: int = 4) -> di
   return out
 
 
-def example_advantages(size: str, root, *, seed: int = 0, num_tasks: int = 2,
-                       group_size: int = 4) -> dict:
+def example_advantages(size: str, root, schemes=SCHEMES, *, seed: int = 0,
+                       num_tasks: int = 2, group_size: int = 4) -> dict:
   """The per-turn advantages every scheme assigns to the same trajectories.
 
-  The trajectories are sampled by the shared SFT policy on held-out maps;
-  "gae" reads the value head its own run trained, "branching" samples
-  continuations with the SFT policy. Returns {"turn_rewards": [N, T],
-  "success": [N], scheme: [N, T] advantages (NaN past an episode's end)}.
+  The trajectories are sampled by the shared SFT policy on held-out maps; a
+  scheme that needs values reads the value head the "gae" run trained, one
+  that needs branches gets continuations sampled by the SFT policy. Returns
+  {"turn_rewards": [N, T], "success": [N], scheme: [N, T] advantages (NaN
+  past an episode's end)}.
   """
   root = pathlib.Path(root)
   policy = _Policy(config("grpo", seed, size))
@@ -249,26 +250,28 @@ def example_advantages(size: str, root, *, seed: int = 0, num_tasks: int = 2,
   reward_rows, _ = turn_arrays(trajs, turns)
   out = {"turn_rewards": reward_rows,
          "success": np.asarray([t.metadata["success"] for t in trajs])}
-  for scheme in ("grpo", "drgrpo", "turn_returns"):
-    out[scheme] = _per_turn(credit.assign(scheme, trajs, batch, **common), len(trajs), turns)
   hidden, _ = critic.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
   values = np.asarray(critic.values(hidden))
-  out["gae"] = _per_turn(credit.assign("gae", trajs, batch, token_values=values, **common),
-                         len(trajs), turns)
   branch_values, _, _ = rl.branch_values_of(engine, tasks, trajs, cfg.rl.branch_size,
                                             gamma=cfg.rl.gamma, seed=seed + 1)
-  out["branching"] = _per_turn(credit.assign("branching", trajs, batch,
-                                             branch_values=branch_values, **common),
-                               len(trajs), turns)
+  for scheme in schemes:
+    out[scheme] = _per_turn(credit.assign(scheme, trajs, batch, token_values=values,
+                                          branch_values=branch_values, **common),
+                            len(trajs), turns)
   engine.close()
   return out
 
 
-def plot_advantages(example: dict, path=None):
+def plot_advantages(example: dict, path=None, per_row: int = 5):
   """Heatmaps: turn rewards, then each scheme's per-turn advantages."""
-  keys = ["turn_rewards"] + [s for s in SCHEMES if s in example]
-  fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.6), sharey=True)
-  for ax, key in zip(axes, keys):
+  keys = [k for k in example if k != "success"]
+  rows = -(-len(keys) // per_row)
+  fig, axes = plt.subplots(rows, per_row, figsize=(3.2 * per_row, 3.6 * rows), sharey=True,
+                           squeeze=False)
+  label = "trajectory (" + ", ".join("S" if s else "F" for s in example["success"]) + ")"
+  for ax in axes.flat[len(keys):]:
+    ax.axis("off")
+  for ax, key in zip(axes.flat, keys):
     data = example[key].copy()
     if key == "turn_rewards":
       data[np.isnan(example["grpo"])] = np.nan
@@ -280,8 +283,8 @@ def plot_advantages(example: dict, path=None):
     ax.set_title(key, fontsize=9)
     ax.set_xlabel("turn")
     fig.colorbar(im, ax=ax, fraction=0.05)
-  axes[0].set_ylabel("trajectory (" + ", ".join(
-      "S" if s else "F" for s in example["success"]) + ")", fontsize=8)
+  for ax in axes[:, 0]:
+    ax.set_ylabel(label, fontsize=8)
   fig.tight_layout()
   if path is not None:
     fig.savefig(path, dpi=110)

@@ -22,6 +22,7 @@ metrics, plots and summary.
 """
 
 import importlib.util
+import itertools
 import json
 import os
 import pathlib
@@ -120,6 +121,20 @@ def build(cfg, mesh=None):
   return model, sampler, engine, train_tasks, eval_tasks
 
 
+def _refill(pool, chosen, rng):
+  """n -> n more tasks of the pool, none of `chosen` nor drawn before, in a
+  random order (drawn on first use: an iteration without refill leaves its
+  draws as they were)."""
+  spare = None
+
+  def draw(n: int):
+    nonlocal spare
+    if spare is None:
+      spare = iter(rng.permutation(np.setdiff1d(np.arange(len(pool)), chosen)).tolist())
+    return [pool[i] for i in itertools.islice(spare, n)]
+  return draw
+
+
 def run(cfg, workdir) -> dict | None:
   """SFT then RL as configured, into `workdir` (resuming from it); the summary
   (process 0's; the other processes of a multi-host run return None)."""
@@ -214,9 +229,10 @@ def run(cfg, workdir) -> dict | None:
   for it in bar:
     rng = np.random.default_rng([cfg.seed, it])
     pool = rl.curriculum_pool(train_tasks, cfg.curriculum, it)
-    tasks = [pool[i] for i in rng.choice(len(pool), cfg.rl.tasks_per_iteration, replace=False)]
+    chosen = rng.choice(len(pool), cfg.rl.tasks_per_iteration, replace=False)
+    tasks = [pool[i] for i in chosen]
     t0 = time.perf_counter()
-    m = trainer.iteration(tasks, it + 1)
+    m = trainer.iteration(tasks, it + 1, refill=_refill(pool, chosen, rng))
     m["time/iteration_s"] = time.perf_counter() - t0  # rollouts + credit + step
     if (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations:
       m.update({f"eval/{k}": v for k, v in rl.evaluate(engine, eval_tasks).items()})

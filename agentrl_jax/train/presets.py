@@ -14,9 +14,10 @@ and not GRPO without the std:
           length-dependent scaling remains. Liu et al. 2025 ("Understanding
           R1-Zero-like training"), sec. 3.
   dapo    group-relative with the std; token-mean (every token weighs the
-          same); groups without signal dropped; clip-higher (0.2 / 0.28).
-          Yu et al. 2025. DAPO's dynamic sampling refills the batch from
-          extra rollouts; until the loop can, this preset only drops.
+          same); groups without signal dropped and refilled from extra
+          rollouts (dynamic sampling, at most 2 x tasks_per_iteration extra
+          tasks); clip-higher (0.2 / 0.28). Yu et al. 2025. Its overlong
+          shaping depends on a run's token budget: `rl.overlong_buffer`.
 
 `apply(cfg, name)` writes a preset into an experiment config
 (`cfg.rl`, `cfg.loss`, `cfg.rollout`); `describe(name)` prints it.
@@ -33,17 +34,19 @@ class Preset:
   agg: str  # loss aggregation mode (`losses.LOSS_AGG_MODES`)
   norm: str | None  # "token_budget": C = max_turns x max_action_tokens; None: no C
   filter_zero_variance: bool
+  refill: int  # max_refill_tasks = refill x tasks_per_iteration
   clip: tuple[float, float]  # (clip_low, clip_high)
   source: str
 
 
 PRESETS = {
-    "grpo": Preset("grpo", "seq-mean-token-mean", None, False, (0.2, 0.2),
+    "grpo": Preset("grpo", "seq-mean-token-mean", None, False, 0, (0.2, 0.2),
                    "Shao et al. 2024; population std"),
-    "drgrpo": Preset("drgrpo", "seq-mean-token-sum-norm", "token_budget", False, (0.2, 0.2),
+    "drgrpo": Preset("drgrpo", "seq-mean-token-sum-norm", "token_budget", False, 0,
+                     (0.2, 0.2),
                      "Liu et al. 2025; no std, fixed normaliser"),
-    "dapo": Preset("grpo", "token-mean", None, True, (0.2, 0.28),
-                   "Yu et al. 2025; filtering without refill"),
+    "dapo": Preset("grpo", "token-mean", None, True, 2, (0.2, 0.28),
+                   "Yu et al. 2025; dynamic sampling"),
 }
 
 
@@ -65,6 +68,7 @@ def apply(cfg, name: str):
   p = _get(name)
   cfg.rl.credit = p.credit
   cfg.rl.filter_zero_variance = p.filter_zero_variance
+  cfg.rl.max_refill_tasks = p.refill * cfg.rl.tasks_per_iteration
   cfg.loss.agg = p.agg
   cfg.loss.norm_constant = norm_constant(name, cfg)
   cfg.loss.clip_low, cfg.loss.clip_high = p.clip
@@ -76,4 +80,5 @@ def describe(name: str, cfg=None) -> str:
   p = _get(name)
   c = norm_constant(name, cfg) if cfg is not None else p.norm
   return (f"{name}: advantages={p.credit}, aggregation={p.agg}, normaliser C={c}, "
-          f"filter_zero_variance={p.filter_zero_variance}, clip={p.clip} ({p.source})")
+          f"filter_zero_variance={p.filter_zero_variance}, "
+          f"refill={p.refill} x tasks_per_iteration, clip={p.clip} ({p.source})")

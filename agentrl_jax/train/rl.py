@@ -16,8 +16,19 @@ One `RLTrainer.iteration(tasks, it)`:
      continuations only estimate values and are not trained on);
   4. optional filtering (`filter_zero_variance`): the rows of groups whose
      advantages are all exactly 0 are dropped (they only cost compute),
-     logged as `rollout/kept_frac` and `rollout/dropped_groups`;
+     logged as `rollout/kept_frac` and `rollout/dropped_groups`; with
+     `max_refill_tasks`, DAPO's dynamic sampling: more tasks are rolled out
+     (through steps 1-4) until tasks_per_iteration groups carry signal or
+     the cap is spent (`rollout/refill_tasks`), so every update holds the
+     same number of informative groups (never more);
   5. the jitted train step, then weight sync into the sampler.
+
+DAPO's overlong shaping, both off by default: `overlong_buffer` subtracts a
+penalty growing linearly from 0 to `overlong_penalty` over the last
+`overlong_buffer` tokens of the context budget (on the episode's last turn,
+before credit assignment), and `mask_truncated` zeroes the loss of every
+truncated episode (a budget of turns, tokens or time ran out), which still
+counts in its group's baseline.
 
 With several processes (`agentrl_jax.distributed`) each one rolls out its
 share of the tasks on its own sampler and environments, collates and assigns
@@ -33,7 +44,7 @@ Non-finite updates are skipped by the step; `max_bad_steps` in a row raise.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -74,6 +85,22 @@ class RLConfig:
   token_budget: int | None = None
   buckets: tuple[int, ...] = (256, 512, 1024, 2048)
   max_bad_steps: int = 5
+  # DAPO dynamic sampling (needs filter_zero_variance): extra tasks rolled
+  # out at most per iteration to refill the filtered groups; 0: no refill.
+  max_refill_tasks: int = 0
+  # DAPO overlong shaping: the soft penalty's span in tokens (0: off) and size.
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
+  mask_truncated: bool = False
+
+  def __post_init__(self):
+    if self.max_refill_tasks < 0 or self.overlong_buffer < 0:
+      raise ValueError("max_refill_tasks and overlong_buffer must be >= 0")
+    if self.max_refill_tasks and not self.filter_zero_variance:
+      raise ValueError("max_refill_tasks refills the groups filter_zero_variance drops; "
+                       "turn filtering on")
+    if self.max_refill_tasks and self.token_budget is not None:
+      raise ValueError("max_refill_tasks cannot run with partial rollouts (token_budget)")
 
 
 def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequence[int]]],
@@ -124,6 +151,12 @@ class RLTrainer:
       raise ValueError(f"tasks_per_iteration={cfg.tasks_per_iteration} must divide by "
                        f"the {jax.process_count()} processes")
     self._credit = credit.scheme(cfg.credit)
+    if cfg.max_refill_tasks and jax.process_count() > 1:
+      raise ValueError("max_refill_tasks (dynamic sampling) runs in one process only: the "
+                       "processes would have to agree on every refill round")
+    if cfg.overlong_buffer >= engine.max_context:
+      raise ValueError(f"overlong_buffer={cfg.overlong_buffer} must be below the context "
+                       f"budget ({engine.max_context} tokens)")
     if cfg.token_budget is not None and self._credit.needs_branches:
       raise ValueError(f"credit scheme {cfg.credit!r} replays finished episodes of this "
                        "iteration's tasks; it cannot run with partial rollouts "
@@ -136,17 +169,21 @@ class RLTrainer:
   def _values_impl(self, params, batch):
     return step_lib.token_values(self.step.graphdef, params, batch)
 
-  def iteration(self, tasks: Sequence[Task], it: int) -> dict[str, float]:
+  def iteration(self, tasks: Sequence[Task], it: int,
+                refill: Callable[[int], Sequence[Task]] | None = None) -> dict[str, float]:
+    """One iteration on `tasks` (policy version `it`); returns its metrics.
+
+    refill: n -> up to n more tasks (none of `tasks`), for DAPO's dynamic
+      sampling (`max_refill_tasks`); None: no refill.
+    """
     cfg = self.cfg
     # Each process samples its own stream (the same one with one process).
     seed = self.seed * 1_000_003 + it + 7919 * jax.process_index()
     result = self.engine.run(distributed.task_share(tasks), cfg.group_size,
                              policy_version=it, seed=seed % 2**31,
                              token_budget=cfg.token_budget)
-    trajs = [t for t in result.trajectories
-             if t.metadata["stop_reason"] not in _ENV_FAULTS]
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
-    metrics["rollout/env_steps"] = float(sum(t.num_turns for t in trajs))
+    trajs = self._trainable(result.trajectories, metrics)
     if cfg.token_budget is not None:
       metrics["rollout/carried_episodes"] = float(self.engine.carried)
     # Static shapes, the same on every process: rows for the most views any
@@ -163,26 +200,15 @@ class RLTrainer:
     num_rows, length = base * -(-int(views) // base), bucket_length(int(longest), cfg.buckets)
     batch = (collate(trajs, buckets=(length,), num_rows=num_rows) if trajs
              else _padding_batch(num_rows, length))
-    to_global = lambda b: distributed.global_batch(b, self._rows)
-    values = (distributed.local_rows(self._values(self.state.params, to_global(batch)))
-              if self._credit.needs_values else None)
-    branch_values = None
-    if self._credit.needs_branches:
-      episodes, steps = 0.0, 0.0
-      if trajs:
-        branch_values, episodes, steps = branch_values_of(
-            self.engine, tasks, trajs, cfg.branch_size, gamma=cfg.gamma,
-            policy_version=it, seed=(self.seed * 1_000_003 + it + 500_009) % 2**31)
-      metrics["rollout/branch_episodes"] = episodes
-      metrics["rollout/env_steps"] += steps
-    if trajs:
-      batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
-                            num_turns=self.engine.config.max_turns, token_values=values,
-                            branch_values=branch_values)
+    batch = self._assign(batch, trajs, tasks, it, metrics)
     if cfg.filter_zero_variance:
-      batch, kept, dropped = _drop_groups_without_signal(batch, trajs)
+      batch, kept, groups, dropped = _keep_groups_with_signal(batch, trajs)
       metrics["rollout/kept_frac"] = kept / max(len(trajs), 1)
       metrics["rollout/dropped_groups"] = float(dropped)
+      if cfg.max_refill_tasks and refill is not None:
+        batch = self._refill(batch, groups, len(trajs), it, refill, metrics)
+        length = batch.tokens.shape[1]
+        most_actions = max(int(most_actions), int(batch.loss_mask.sum(axis=1).max(initial=0)))
       rows, = distributed.agree_max([int(np.sum(batch.seq_ids.max(axis=1) >= 0))])
       if rows == 0:  # no group carries any signal: nothing to learn from this batch
         return self._skip(metrics, len(trajs))
@@ -190,7 +216,7 @@ class RLTrainer:
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics = self._combine(metrics, len(result.trajectories))
     num_actions = losses.action_bucket(int(most_actions), length)
-    self.state, train_metrics = self.step(self.state, to_global(batch), num_actions)
+    self.state, train_metrics = self.step(self.state, self._to_global(batch), num_actions)
     train_metrics = jax.device_get(train_metrics)
     self.engine.sampler.update_params(self.state.params)
     skipped = float(train_metrics["skipped_updates"]) > 0
@@ -201,6 +227,89 @@ class RLTrainer:
           "gradient; stopping (lower the learning rate or check the rewards)")
     metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
     return metrics
+
+  def _to_global(self, batch: TokenBatch):
+    return distributed.global_batch(batch, self._rows)
+
+  def _trainable(self, trajs: Sequence[Trajectory], metrics: dict) -> list[Trajectory]:
+    """The episodes to train on (env faults left out), overlong-shaped;
+    adds their env steps to `metrics`."""
+    trajs = [t for t in trajs if t.metadata["stop_reason"] not in _ENV_FAULTS]
+    metrics["rollout/env_steps"] = (metrics.get("rollout/env_steps", 0.0)
+                                    + float(sum(t.num_turns for t in trajs)))
+    if self.cfg.overlong_buffer:
+      trajs, penalties = overlong_shaped(trajs, self.engine.max_context,
+                                         self.cfg.overlong_buffer, self.cfg.overlong_penalty)
+      metrics["rollout/overlong_frac"] = float(np.mean(penalties > 0)) if trajs else 0.0
+      metrics["rollout/overlong_penalty_mean"] = float(np.mean(penalties)) if trajs else 0.0
+    return trajs
+
+  def _assign(self, batch: TokenBatch, trajs: Sequence[Trajectory], tasks: Sequence[Task],
+              it: int, metrics: dict, salt: int = 0) -> TokenBatch:
+    """Credit assignment (with the value forward or branches the scheme
+    needs), then the truncated episodes' loss masked if so configured."""
+    cfg = self.cfg
+    values = (distributed.local_rows(self._values(self.state.params, self._to_global(batch)))
+              if self._credit.needs_values else None)
+    branch_values = None
+    if self._credit.needs_branches:
+      episodes, steps = 0.0, 0.0
+      if trajs:
+        branch_values, episodes, steps = branch_values_of(
+            self.engine, tasks, trajs, cfg.branch_size, gamma=cfg.gamma,
+            policy_version=it, seed=(self.seed * 1_000_003 + it + 500_009 + salt) % 2**31)
+      metrics["rollout/branch_episodes"] = metrics.get("rollout/branch_episodes", 0.0) + episodes
+      metrics["rollout/env_steps"] += steps
+    if not trajs:
+      return batch
+    batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
+                          num_turns=self.engine.config.max_turns, token_values=values,
+                          branch_values=branch_values)
+    if cfg.mask_truncated:
+      truncated = np.asarray([t.truncated for t in trajs] + [False])  # [-1]: padding
+      batch = batch.replace(loss_mask=np.where(truncated[batch.seq_ids], 0.0,
+                                               batch.loss_mask).astype(np.float32))
+    return batch
+
+  def _refill(self, batch: TokenBatch, groups: int, num_trajs: int, it: int,
+              refill: Callable[[int], Sequence[Task]], metrics: dict) -> TokenBatch:
+    """DAPO's dynamic sampling: rolls out more tasks until the batch holds
+    tasks_per_iteration groups with signal or `max_refill_tasks` are spent;
+    appends the new groups' rows (their seq ids after the batch's)."""
+    cfg = self.cfg
+    used = rounds = 0
+    metrics["rollout/refill_episodes"] = 0.0
+    while groups < cfg.tasks_per_iteration and used < cfg.max_refill_tasks:
+      n = min(cfg.tasks_per_iteration - groups, cfg.max_refill_tasks - used)
+      more = list(refill(n))[:n]
+      if not more:
+        break
+      used, rounds = used + len(more), rounds + 1
+      result = self.engine.run(more, cfg.group_size, policy_version=it, seed=(
+          self.seed * 1_000_003 + it + 104_729 * rounds) % 2**31)
+      metrics["rollout/refill_episodes"] += len(result.trajectories)
+      new = self._trainable(result.trajectories, metrics)
+      if not new:
+        continue
+      base = cfg.tasks_per_iteration * cfg.group_size
+      views = sum(t.num_views for t in new)
+      longest = max(len(f.ids) for t in new for f in t.flatten_views())
+      extra = collate(new, buckets=(bucket_length(longest, cfg.buckets),),
+                      num_rows=base * -(-views // base))
+      extra = self._assign(extra, new, more, it, metrics, salt=104_729 * rounds)
+      extra, _, kept, _ = _keep_groups_with_signal(extra, new)
+      groups += kept
+      extra = extra.replace(seq_ids=np.where(extra.seq_ids >= 0, extra.seq_ids + num_trajs,
+                                             -1).astype(np.int32))
+      num_trajs += len(new)
+      batch = _concat_rows(batch, extra)
+    metrics["rollout/refill_tasks"] = float(used)
+    metrics["rollout/informative_groups"] = float(groups)
+    # Seq ids 0..k-1 again, as `distributed.global_batch` expects.
+    ids = batch.seq_ids
+    _, dense = np.unique(np.where(ids >= 0, ids, -1), return_inverse=True)
+    dense = dense.reshape(ids.shape) - (ids < 0).any()
+    return batch.replace(seq_ids=np.where(ids >= 0, dense, -1).astype(np.int32))
 
   def _skip(self, metrics: dict[str, float], episodes: int) -> dict[str, float]:
     metrics = self._combine(metrics, episodes)
@@ -248,27 +357,63 @@ def _padding_batch(num_rows: int, length: int) -> TokenBatch:
                     returns=zeros(np.float32))
 
 
-def _drop_groups_without_signal(batch: TokenBatch, trajs: Sequence[Trajectory]
-                                ) -> tuple[TokenBatch, int, int]:
-  """Removes the rows of every group whose advantages are all exactly 0.
+def _keep_groups_with_signal(batch: TokenBatch, trajs: Sequence[Trajectory]
+                             ) -> tuple[TokenBatch, int, int, int]:
+  """Removes the rows of every group whose trained advantages are all exactly 0.
 
   Such a group adds nothing to the policy gradient (its surrogate's
   gradient is A x ratio-gradient = 0) but costs a forward and a backward.
   The test is on the assigned advantages, not on the rewards: equal rewards
   still carry per-turn signal under turn-level credit. Returns the kept rows
-  (compacted, the same width), how many trajectories they hold and how many
-  groups were dropped.
+  (compacted, the same width), how many trajectories and groups they hold,
+  and how many groups had no signal.
   """
   groups = np.asarray([t.metadata["group_id"] for t in trajs])
   ids = batch.seq_ids
   signal = np.zeros(len(trajs), bool)
-  np.logical_or.at(signal, ids[ids >= 0], batch.advantages[ids >= 0] != 0)
-  informative = {g for g, s in zip(groups, signal) if s}
-  keep_traj = np.asarray([g in informative for g in groups])
-  row_owner = ids.max(axis=1)
-  keep = (row_owner >= 0) & keep_traj[np.maximum(row_owner, 0)]
-  return (jax.tree.map(lambda x: x[keep], batch), int(keep_traj.sum()),
-          len(set(groups.tolist()) - informative))
+  on = (ids >= 0) & (batch.loss_mask > 0)
+  np.logical_or.at(signal, ids[on], batch.advantages[on] != 0)
+  informative = {g for g, s in zip(groups.tolist(), signal) if s}
+  keep_traj = np.asarray([g in informative for g in groups.tolist()] + [False])  # [-1]: padding
+  keep = keep_traj[ids.max(axis=1)]
+  return (jax.tree.map(lambda x: x[keep], batch), int(keep_traj.sum()), len(informative),
+          len(set(groups.tolist())) - len(informative))
+
+
+def overlong_shaped(trajs: Sequence[Trajectory], budget: int, buffer: int,
+                    penalty: float) -> tuple[list[Trajectory], np.ndarray]:
+  """DAPO's soft overlong punishment on episodes near the context budget.
+
+  An episode whose longest context (its longest view under a sliding
+  window) holds L tokens loses penalty x min(1, max(0, L - (budget -
+  buffer)) / buffer) on its return and on its last turn's reward. Returns
+  (the shaped trajectories, their penalties [N]).
+  """
+  out, penalties = [], []
+  for t in trajs:
+    length = max(len(v.ids) for v in t.flatten_views())
+    p = penalty * min(1.0, max(0, length - (budget - buffer)) / buffer)
+    penalties.append(p)
+    if p > 0:
+      turns = list(t.turn_rewards or [])
+      if turns:
+        turns[-1] -= p
+      t = dataclasses.replace(t, reward=t.reward - p, turn_rewards=turns or t.turn_rewards,
+                              metadata={**t.metadata, "overlong_penalty": p})
+    out.append(t)
+  return out, np.asarray(penalties, np.float32)
+
+
+def _concat_rows(a: TokenBatch, b: TokenBatch) -> TokenBatch:
+  """The rows of `a` then `b`, both padded to the longer length."""
+  length = max(a.tokens.shape[1], b.tokens.shape[1])
+  a, b = _pad_columns(a, length), _pad_columns(b, length)
+  return jax.tree.map(lambda x, y: np.concatenate([x, y]), a, b)
+
+
+def _pad_columns(batch: TokenBatch, length: int) -> TokenBatch:
+  extra = _padding_batch(batch.tokens.shape[0], length - batch.tokens.shape[1])
+  return jax.tree.map(lambda x, y: np.concatenate([x, y], axis=1), batch, extra)
 
 
 def _pad_rows(batch: TokenBatch, num_rows: int) -> TokenBatch:

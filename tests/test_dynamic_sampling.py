@@ -1,0 +1,190 @@
+"""DAPO in the RL loop: dynamic sampling with refill, overlong shaping, masking.
+
+The loop runs against a scripted engine (each task's rollouts have fixed
+rewards and lengths) and a step that records the batch it is given, so the
+batch can be checked row by row.
+"""
+
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from agentrl_jax.envs import Task
+from agentrl_jax.train import rl
+from agentrl_jax.trajectory import Role, Segment, Trajectory
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import train_agent  # pylint: disable=wrong-import-position
+
+G = 2  # rollouts per task
+
+
+def _traj(task, group, reward, actions=1, truncated=False):
+  segs = [Segment(Role.SYSTEM, [1, 2, 3])]
+  for k in range(actions):
+    segs += [Segment(Role.ASSISTANT, [10 + k] * 3, [-1.0] * 3), Segment(Role.OBSERVATION, [7, 7])]
+  return Trajectory(segs, reward=reward, turn_rewards=[0.0] * (actions - 1) + [reward],
+                    terminated=not truncated, truncated=truncated,
+                    metadata={"task_id": task.task_id, "group_id": group,
+                              "stop_reason": "max_turns" if truncated else "terminated"})
+
+
+class ScriptedEngine:
+  """task.data["rewards"] are its G rollouts' returns; data["actions"] their turns."""
+
+  def __init__(self, max_context=64):
+    self.max_context, self.runs, self.groups = max_context, [], 0
+    self.config = types.SimpleNamespace(max_turns=16)
+    self.sampler = types.SimpleNamespace(update_params=lambda params: None)
+
+  def run(self, tasks, group_size, **kwargs):
+    del kwargs
+    self.runs.append([t.task_id for t in tasks])
+    trajs = []
+    for task in tasks:
+      for reward, actions, truncated in zip(task.data["rewards"], task.data["actions"],
+                                            task.data.get("truncated", (False,) * group_size)):
+        trajs.append(_traj(task, self.groups, reward, actions, truncated))
+      self.groups += 1
+    return types.SimpleNamespace(trajectories=trajs, metrics={"episodes": float(len(trajs))})
+
+
+class RecordingStep:
+  mesh = None
+
+  def __init__(self):
+    self.batches = []
+
+  def __call__(self, state, batch, num_actions):
+    self.batches.append((batch, num_actions))
+    return state, {"skipped_updates": 0.0}
+
+
+def _task(name, rewards, actions=(1, 1), truncated=(False, False)):
+  return Task(name, name, {"rewards": rewards, "actions": actions, "truncated": truncated})
+
+
+def _trainer(**cfg):
+  engine, step = ScriptedEngine(), RecordingStep()
+  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None), rl.RLConfig(
+      group_size=G, tasks_per_iteration=2, buckets=(16, 32, 128), **cfg))
+  return trainer, engine, step
+
+
+FLAT = [_task(f"flat{i}", (1.0, 1.0)) for i in range(3)]
+# 8 and 13 tokens (bucket 16), then 8 and 23 (bucket 32).
+GOOD = [_task(f"good{i}", (1.0, 0.0), actions=(1, 2 if i != 1 else 4)) for i in range(3)]
+
+
+def _groups_of(batch):
+  """The seq ids of each row (asserting one sequence per row)."""
+  owners = [set(row[row >= 0].tolist()) for row in batch.seq_ids]
+  assert all(len(o) <= 1 for o in owners)
+  return [o.pop() if o else -1 for o in owners]
+
+
+def test_refill_rolls_out_until_the_batch_holds_enough_informative_groups():
+  trainer, engine, step = _trainer(filter_zero_variance=True, max_refill_tasks=4)
+  spare = iter([GOOD[0], FLAT[2], GOOD[1], GOOD[2]])
+  m = trainer.iteration(FLAT[:2], 1, refill=lambda n: [next(spare) for _ in range(n)])
+  # Both first groups are flat; the first refill asks for the 2 missing
+  # groups and gets 1 with signal, the second asks for 1 more.
+  assert engine.runs == [["flat0", "flat1"], ["good0", "flat2"], ["good1"]]
+  assert m["rollout/refill_tasks"] == 3 and m["rollout/informative_groups"] == 2
+  assert m["rollout/dropped_groups"] == 2 and m["rollout/refill_episodes"] == 3 * G
+  batch, num_actions = step.batches[0]
+  owners = _groups_of(batch)
+  real = [o for o in owners if o >= 0]
+  # good0's and good1's were seq ids 0 and 1 of their rounds: 4 distinct ones.
+  assert sorted(real) == [0, 1, 2, 3], "4 trajectories, seq ids renumbered from 0"
+  # good0's rows (bucket 16) padded to good1's 32 columns; rows a multiple of tasks x G.
+  assert batch.tokens.shape == (2 * G, 32)
+  # The good groups' GRPO advantages: returns (1, 0) -> +-1 on every action token.
+  on = batch.loss_mask > 0
+  np.testing.assert_allclose(np.sort(np.unique(batch.advantages[on])), [-1.0, 1.0], atol=1e-5)
+  assert m["train/batch_tokens"] == (1 + 2) * 3 + (1 + 4) * 3  # 3 tokens per action
+  assert m["rollout/env_steps"] == 4 + (2 + 3) + 5  # the first round, then 2 refills
+  assert num_actions >= 12
+
+
+def test_refill_stops_at_its_cap_and_never_exceeds_the_group_count():
+  trainer, engine, step = _trainer(filter_zero_variance=True, max_refill_tasks=1)
+  m = trainer.iteration(FLAT[:2], 1, refill=lambda n: GOOD[:n])
+  assert engine.runs[1:] == [["good0"]]
+  assert m["rollout/refill_tasks"] == 1 and m["rollout/informative_groups"] == 1
+  assert len([o for o in _groups_of(step.batches[0][0]) if o >= 0]) == G
+  # One informative group in the first round: 1 task asked for, and taken
+  # even from a refill that returns more.
+  trainer, engine, step = _trainer(filter_zero_variance=True, max_refill_tasks=4)
+  m = trainer.iteration([FLAT[0], GOOD[0]], 1, refill=lambda n: GOOD[1:])
+  assert engine.runs[1:] == [["good1"]] and m["rollout/informative_groups"] == 2
+  # Without refill the loop only drops.
+  trainer, engine, step = _trainer(filter_zero_variance=True)
+  m = trainer.iteration([FLAT[0], GOOD[0]], 1, refill=lambda n: GOOD[1:1 + n])
+  assert len(engine.runs) == 1 and "rollout/refill_tasks" not in m
+
+
+def test_dynamic_sampling_config_errors():
+  with pytest.raises(ValueError, match="turn filtering on"):
+    rl.RLConfig(max_refill_tasks=2)
+  with pytest.raises(ValueError, match="partial rollouts"):
+    rl.RLConfig(max_refill_tasks=2, filter_zero_variance=True, token_budget=100)
+  with pytest.raises(ValueError, match="below the context budget"):
+    _trainer(overlong_buffer=64)
+
+
+def test_overlong_shaping_by_hand():
+  # Budget 64, buffer 16: the penalty grows from 0 at 48 tokens to 1 at 64.
+  # A trajectory holds 3 + 5 x actions tokens.
+  task = Task("t", "t", {})
+  trajs = [_traj(task, 0, 1.0, actions=a) for a in (9, 10, 12, 13)]  # 48, 53, 63, 68 tokens
+  shaped, penalties = rl.overlong_shaped(trajs, 64, 16, 0.5)
+  np.testing.assert_allclose(penalties, [0.0, 0.5 * 5 / 16, 0.5 * 15 / 16, 0.5])
+  for t, s, p in zip(trajs, shaped, penalties):
+    assert s.reward == pytest.approx(1.0 - p)
+    assert s.turn_rewards[:-1] == t.turn_rewards[:-1]
+    assert s.turn_rewards[-1] == pytest.approx(1.0 - p)
+  assert shaped[0] is trajs[0] and trajs[1].reward == 1.0, "the recording is not changed"
+
+
+def test_overlong_penalty_reaches_the_advantages():
+  trainer, _, step = _trainer(overlong_buffer=16, overlong_penalty=1.0)
+  long_and_short = _task("ls", (1.0, 1.0), actions=(13, 1))  # 68 and 8 tokens
+  m = trainer.iteration([long_and_short, FLAT[0]], 1)
+  batch = step.batches[0][0]
+  # Returns 0 (shaped from 1) and 1: GRPO gives -1 and +1; the flat group 0.
+  adv = {o: batch.advantages[r][batch.loss_mask[r] > 0] for r, o in
+         enumerate(_groups_of(batch)) if o >= 0}
+  np.testing.assert_allclose(adv[0], -1.0, atol=1e-5)
+  np.testing.assert_allclose(adv[1], 1.0, atol=1e-5)
+  np.testing.assert_allclose(adv[2], 0.0)
+  assert m["rollout/overlong_frac"] == 0.25 and m["rollout/overlong_penalty_mean"] == 0.25
+
+
+def test_truncated_episodes_keep_their_baseline_but_get_no_loss():
+  trainer, _, step = _trainer(mask_truncated=True)
+  task = _task("t", (1.0, 0.0), truncated=(False, True))
+  trainer.iteration([task, FLAT[0]], 1)
+  batch = step.batches[0][0]
+  owners = _groups_of(batch)
+  row = {o: r for r, o in enumerate(owners) if o >= 0}
+  # The truncated rollout (return 0) still makes the other's advantage +1.
+  on = batch.loss_mask[row[0]] > 0
+  np.testing.assert_allclose(batch.advantages[row[0]][on], 1.0, atol=1e-5)
+  assert batch.loss_mask[row[1]].sum() == 0 and (batch.advantages[row[1]] != 0).any()
+  assert batch.loss_mask[row[2]].sum() > 0
+
+
+def test_train_agent_refills_from_the_pool_without_repeats():
+  pool = list(range(10))
+  rng = np.random.default_rng([0, 3])
+  chosen = rng.choice(len(pool), 3, replace=False)
+  draw = train_agent._refill(pool, chosen, rng)  # pylint: disable=protected-access
+  got = draw(4) + draw(2) + draw(5)
+  assert len(got) == 7 and sorted(got + chosen.tolist()) == pool
+  # The iteration's own tasks are drawn before, and as without refill.
+  np.testing.assert_array_equal(
+      chosen, np.random.default_rng([0, 3]).choice(len(pool), 3, replace=False))
