@@ -128,6 +128,7 @@ class _Episode:
   segments: list = dataclasses.field(default_factory=list)
   rewards: list = dataclasses.field(default_factory=list)
   parts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  turn_parts: list = dataclasses.field(default_factory=list)  # reward parts per step
   stop_reasons: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
   context_start: int = 1  # segments[context_start:] follow the prompt in the cache
@@ -618,7 +619,8 @@ class RolloutEngine:
             "group_id": ep.group, "n_turns": len(ep.rewards),
             "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors,
             "stop_reasons": ep.stop_reasons, "policy_versions": ep.versions,
-            "reward_parts": dict(ep.parts), "env_time": ep.env_time,
+            "reward_parts": dict(ep.parts), "turn_reward_parts": list(ep.turn_parts),
+            "env_time": ep.env_time,
             "stop_reason": ep.stop_reason, "env_error": ep.error,
             # Policy versions between the oldest turn and the update it feeds.
             "staleness": (self._version - min(ep.versions)) if ep.versions else 0,
@@ -642,6 +644,7 @@ def _count_step(ep: _Episode, result: StepResult) -> None:
   """Adds a step's reward, reward parts and tool counters to its episode."""
   ep.rewards.append(result.reward)
   ep.parts.update(result.info.get("reward_parts", {}))
+  ep.turn_parts.append(dict(result.info.get("reward_parts", {})))
   ep.tool_calls += bool(result.info.get("tool_call"))
   ep.tool_errors += bool(result.info.get("tool_error"))
 

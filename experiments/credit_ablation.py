@@ -28,7 +28,7 @@ import jax  # pylint: disable=wrong-import-position
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from agentrl_jax import checkpointing, metrics, train  # pylint: disable=wrong-import-position
+from agentrl_jax import checkpointing, metrics, train, viewer  # pylint: disable=wrong-import-position
 from agentrl_jax.train import credit, presets, rl  # pylint: disable=wrong-import-position
 from agentrl_jax.trajectory import collate, turn_arrays  # pylint: disable=wrong-import-position
 from configs import frozen_lake_turn_credit  # pylint: disable=wrong-import-position
@@ -235,7 +235,8 @@ def example_advantages(size: str, root, schemes=SCHEMES, *, seed: int = 0,
   scheme that needs values reads the value head the "gae" run trained, one
   that needs branches gets continuations sampled by the SFT policy. Returns
   {"turn_rewards": [N, T], "success": [N], scheme: [N, T] advantages (NaN
-  past an episode's end)}.
+  past an episode's end)}, and writes the episodes under each scheme (its
+  label) to `<root>/trajectories.jsonl` for `experiments/view.py`.
   """
   root = pathlib.Path(root)
   policy = _Policy(config("grpo", seed, size))
@@ -254,10 +255,15 @@ def example_advantages(size: str, root, schemes=SCHEMES, *, seed: int = 0,
   values = np.asarray(critic.values(hidden))
   branch_values, _, _ = rl.branch_values_of(engine, tasks, trajs, cfg.rl.branch_size,
                                             gamma=cfg.rl.gamma, seed=seed + 1)
+  records = []
   for scheme in schemes:
-    out[scheme] = _per_turn(credit.assign(scheme, trajs, batch, token_values=values,
-                                          branch_values=branch_values, **common),
-                            len(trajs), turns)
+    credited = credit.assign(scheme, trajs, batch, token_values=values,
+                             branch_values=branch_values, **common)
+    out[scheme] = _per_turn(credited, len(trajs), turns)
+    records += [viewer.episode_record(t, engine.tok, iteration=0, phase="example",
+                                      batch=credited, seq=i, label=scheme)
+                for i, t in enumerate(trajs)]
+  viewer.write_jsonl(root / "trajectories.jsonl", records, append=False)
   engine.close()
   return out
 
@@ -301,6 +307,8 @@ def main():
     print(row)
   print(sampled_success(args.size, args.root))
   plot(results, pathlib.Path(args.root) / "ablation.png")
+  plot_advantages(example_advantages(args.size, args.root),
+                  pathlib.Path(args.root) / "advantages.png")
 
 
 if __name__ == "__main__":

@@ -1,77 +1,171 @@
-"""Learning curves from one or more workdirs' metrics.jsonl, as one PNG.
+"""Learning curves and the run report from workdirs' metrics.jsonl, as one PNG.
 
-  python experiments/plot_curves.py --workdirs=runs/a,runs/b --out=curves.png \
-      --keys=eval/success,train/reward_mean --x=step
+  python experiments/plot_curves.py --workdirs=runs/a,runs/b --out=report.png
+  python experiments/plot_curves.py --workdirs=runs/grpo/seed0,runs/grpo/seed1,runs/gae/seed0 \
+      --keys=eval/success,rollout/reward_mean --x=time
 
-One subplot per metric key, one line per run (labelled by the workdir's
-basename, or its path where basenames repeat). Without --keys every key found in any run is drawn. The training
-script calls `plot` itself to leave `<workdir>/curves.png` behind.
+One line per run, labelled by the workdir's basename; workdirs named
+`seed<k>` are seeds of the run their parent names, drawn as the mean over
+seeds with the range between the lowest and the highest seed shaded.
+Without --keys the run report is drawn (`REPORT`: the panels to check first
+when a run goes wrong); --keys=all draws every logged key, one panel each.
+Per-iteration metrics are smoothed (an exponential moving average) over
+their raw values drawn faint; evaluations are drawn as measured. The
+training script calls `report` itself to leave `<workdir>/curves.png`.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
+import re
 from typing import Sequence
 
 from absl import app, flags
 # Figure + savefig renders through Agg without pyplot, so no global backend
 # state is touched and this works on a headless machine.
 from matplotlib.figure import Figure
+import numpy as np
 
 from agentrl_jax.metrics import read_metrics
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Run directories to compare.")
 _OUT = flags.DEFINE_string("out", "curves.png", "PNG to write.")
-_KEYS = flags.DEFINE_list("keys", None, "Metric keys (default: all).")
+_KEYS = flags.DEFINE_list("keys", None, "Metric keys; 'all': every logged key; "
+                          "default: the run report.")
 _X = flags.DEFINE_enum("x", "step", ["step", "time"],
                        "x axis: training step or seconds since the first record.")
 
+# (title, keys): the run report's panels; a panel none of whose keys a run
+# logged is left out.
+REPORT = (
+    ("held-out success (greedy; T = 1 dashed)", ("eval/success", "eval/success_sampled")),
+    ("rollout reward", ("rollout/reward_mean",)),
+    ("rollout success (T = 1)", ("rollout/success_frac",)),
+    ("turns per episode", ("rollout/turns_mean",)),
+    ("policy loss", ("train/pg_loss",)),
+    ("KL to the reference", ("train/kl",)),
+    ("entropy of the policy on its actions", ("train/policy_entropy", "train/entropy")),
+    ("clip fractions", ("train/clip_frac_lower", "train/clip_frac_upper",
+                        "train/dual_clip_frac")),
+    ("gradient norm", ("train/grad_norm",)),
+    ("sampler vs trainer log-prob gap", ("train/logprob_gap_mean_abs", "train/logprob_gap_kl")),
+    ("kept fraction after filtering", ("rollout/kept_frac",)),
+    ("action tokens per iteration", ("train/batch_tokens",)),
+    ("seconds per iteration", ("time/iteration_s", "rollout/generation_s",
+                               "rollout/env_wait_s", "time/step_s")),
+    ("SFT loss", ("sft/sft_loss",)),
+)
+_STYLES = ("-", "--", ":", "-.")
+_SMOOTH = 0.8  # EMA weight of the past
+_SEED = re.compile(r"seed\d+$")
 
-def plot(runs: dict[str, list[dict]], keys: Sequence[str] | None,
+
+def group_seeds(workdirs: Sequence[str]) -> dict[str, list[list[dict]]]:
+  """label -> the metric records of each of its seeds; `.../name/seed<k>`
+  workdirs are seeds of `name`, any other workdir is a run of its own."""
+  names = []
+  for w in workdirs:
+    parts = os.path.normpath(w).split(os.sep)
+    names.append(parts[-2] if _SEED.match(parts[-1]) and len(parts) > 1 else parts[-1])
+  if len(set(names)) < len(names) and not any(_SEED.match(os.path.basename(os.path.normpath(w)))
+                                             for w in workdirs):
+    names = list(workdirs)  # e.g. a/run and b/run: tell them apart by path
+  runs = collections.defaultdict(list)
+  for name, w in zip(names, workdirs):
+    runs[name].append(read_metrics(w))
+  return dict(runs)
+
+
+def _smoothed(ys: np.ndarray) -> np.ndarray:
+  out, acc = np.empty_like(ys), None
+  for i, y in enumerate(ys):
+    acc = y if acc is None else _SMOOTH * acc + (1 - _SMOOTH) * y
+    out[i] = acc
+  return out
+
+
+def _series(seeds: list[list[dict]], key: str, x: str):
+  """(xs, mean, low, high) over the steps every seed logged `key` at."""
+  by_seed = []
+  for records in seeds:
+    t0 = records[0]["time"] if records else 0.0
+    by_seed.append({r["step"]: (r["step"] if x == "step" else r["time"] - t0, r[key])
+                    for r in records if r.get(key) is not None})
+  steps = sorted(set.intersection(*(set(s) for s in by_seed))) if by_seed else []
+  if not steps:
+    return None
+  xs = np.asarray([[s[k][0] for k in steps] for s in by_seed], np.float64).mean(0)
+  ys = np.asarray([[s[k][1] for k in steps] for s in by_seed], np.float64)
+  return xs, ys.mean(0), ys.min(0), ys.max(0)
+
+
+def _draw(ax, runs: dict[str, list[list[dict]]], keys: Sequence[str], x: str) -> bool:
+  """Draws `keys` of every run on `ax`; False if none was logged."""
+  drawn = False
+  for i, (label, seeds) in enumerate(runs.items()):
+    colour = f"C{i % 10}"  # a run keeps its colour in every panel
+    for style, key in zip(_STYLES, keys):
+      series = _series(seeds, key, x)
+      if series is None:
+        continue
+      xs, mean, low, high = series
+      name = label if len(keys) == 1 else f"{label}: {key.split('/')[-1]}"
+      per_iteration = not key.startswith(("eval/", "sft/"))
+      if per_iteration and len(xs) > 2:
+        ax.plot(xs, mean, color=colour, ls=style, alpha=0.25, lw=0.8)
+        mean, low, high = _smoothed(mean), _smoothed(low), _smoothed(high)
+      ax.plot(xs, mean, color=colour, ls=style, label=name,
+              marker=None if per_iteration else "o", ms=3)
+      if len(seeds) > 1:
+        ax.fill_between(xs, low, high, color=colour, alpha=0.15)
+      drawn = True
+  return drawn
+
+
+def plot(runs: dict[str, list[list[dict]]], panels: Sequence[tuple[str, Sequence[str]]],
          out_path: str, x: str = "step") -> None:
-  """Draws `keys` (default: all) of every run in `runs` (label -> records).
-
-  A key a run never logged is skipped for that run; keys no run logged are
-  left out. x="time" plots seconds since each run's first record.
-  """
+  """Draws `panels` ((title, keys) each) for every run (label -> its seeds'
+  records); a panel no run logged is left out."""
   if x not in ("step", "time"):
     raise ValueError(f"x must be 'step' or 'time', not {x!r}")
-  logged = {k for records in runs.values() for r in records for k in r}
-  if keys is None:
-    keys = sorted(logged - {"step", "time"})
-  keys = [k for k in keys if k in logged]
-  if not keys:
+  logged = {k for seeds in runs.values() for records in seeds for r in records for k in r}
+  panels = [(t, keys) for t, keys in panels if set(keys) & logged]
+  if not panels:
     raise ValueError("none of the requested metrics were logged")
-  ncols = min(3, len(keys))
-  nrows = math.ceil(len(keys) / ncols)
-  fig = Figure(figsize=(5 * ncols, 3.5 * nrows), layout="constrained")
+  ncols = min(4, len(panels))
+  nrows = math.ceil(len(panels) / ncols)
+  fig = Figure(figsize=(4.6 * ncols, 3.2 * nrows), layout="constrained")
   axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-  for ax, key in zip(axes, keys):
-    # A fixed colour per run, so a run keeps its colour in every subplot.
-    for i, (label, records) in enumerate(runs.items()):
-      points = [r for r in records if key in r and r[key] is not None]
-      if not points:
-        continue
-      t0 = records[0]["time"]
-      xs = [r["step"] if x == "step" else r["time"] - t0 for r in points]
-      ax.plot(xs, [r[key] for r in points], color=f"C{i % 10}", label=label)
-    ax.set_title(key)
+  for ax, (title, keys) in zip(axes, panels):
+    _draw(ax, runs, keys, x)
+    ax.set_title(title, fontsize=10)
     ax.set_xlabel("step" if x == "step" else "seconds")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-  for ax in axes[len(keys):]:
+    ax.legend(fontsize="x-small")
+  for ax in axes[len(panels):]:
     ax.set_visible(False)
   fig.savefig(out_path, dpi=100)
 
 
+def report(runs: dict[str, list[list[dict]]], out_path: str, x: str = "step") -> None:
+  """The run report's panels (`REPORT`)."""
+  plot(runs, REPORT, out_path, x=x)
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
-  labels = [os.path.basename(os.path.normpath(w)) for w in _WORKDIRS.value]
-  if len(set(labels)) < len(labels):  # e.g. a/seed0 and b/seed0
-    labels = list(_WORKDIRS.value)
-  runs = {label: read_metrics(w) for label, w in zip(labels, _WORKDIRS.value)}
-  plot(runs, _KEYS.value, _OUT.value, x=_X.value)
+  runs = group_seeds(_WORKDIRS.value)
+  if _KEYS.value is None:
+    panels = REPORT
+  else:
+    keys = _KEYS.value
+    if keys == ["all"]:
+      keys = sorted({k for seeds in runs.values() for records in seeds for r in records
+                     for k in r} - {"step", "time"})
+    panels = [(k, (k,)) for k in keys]
+  plot(runs, panels, _OUT.value, x=_X.value)
   print(f"wrote {_OUT.value}")
 
 

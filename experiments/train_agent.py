@@ -40,7 +40,8 @@ import numpy as np
 from ml_collections import config_flags
 import tqdm
 
-from agentrl_jax import checkpointing, distributed, envs, metrics, models, sharding, train
+from agentrl_jax import (checkpointing, distributed, envs, metrics, models, sharding, train,
+                         viewer)
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
@@ -51,10 +52,6 @@ import plot_curves
 _DEFAULT_CONFIG = "experiments/configs/default.py"
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Output directory.")
-
-CURVE_KEYS = ("eval/success", "rollout/reward_mean", "rollout/success_frac",
-              "rollout/turns_mean", "train/kl", "train/logprob_gap_mean_abs")
-
 
 def build_model(cfg):
   dtype = jnp.dtype(cfg.model.dtype)
@@ -184,6 +181,21 @@ def run(cfg, workdir) -> dict | None:
     if writer is not None:
       writer.write(step, m, prefix=prefix)
 
+  episodes_file = workdir / "trajectories.jsonl"
+  if primary and resume is not None and episodes_file.exists():  # drop what is redone
+    viewer.write_jsonl(episodes_file, [r for r in viewer.read_jsonl(episodes_file)
+                                       if r["iteration"] <= resume], append=False)
+
+  def evaluate(iteration):
+    """Greedy held-out metrics; records the first episodes for the viewer."""
+    trajs = []
+    m = rl.evaluate(engine, eval_tasks, trajectories=trajs)
+    if primary and cfg.log.eval_episodes:
+      viewer.write_jsonl(episodes_file, [
+          viewer.episode_record(t, engine.tok, iteration=iteration, phase="eval")
+          for t in trajs[:cfg.log.eval_episodes]])
+    return m
+
   # -- SFT warm start ------------------------------------------------------------------
   if progress["phase"] == "sft" and cfg.sft.steps > 0:  # 0: the model already acts
     # Every host makes the same (scripted, seeded) demos: SFT batches are
@@ -211,7 +223,7 @@ def run(cfg, workdir) -> dict | None:
     if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards
       state = sharding.shard(state, sharding.param_shardings(state, mesh))
     progress = {"phase": "rl", "iteration": 0,
-                "sft_success": rl.evaluate(engine, eval_tasks)["success"],
+                "sft_success": evaluate(0)["success"],
                 "sft_success_sampled": sampled_success()}
     log(0, {"success": progress["sft_success"],
              "success_sampled": progress["sft_success_sampled"]}, prefix="eval/")
@@ -232,10 +244,18 @@ def run(cfg, workdir) -> dict | None:
     chosen = rng.choice(len(pool), cfg.rl.tasks_per_iteration, replace=False)
     tasks = [pool[i] for i in chosen]
     t0 = time.perf_counter()
-    m = trainer.iteration(tasks, it + 1, refill=_refill(pool, chosen, rng))
+    record = bool(cfg.log.trajectories_every) and (it + 1) % cfg.log.trajectories_every == 0
+    m = trainer.iteration(tasks, it + 1, refill=_refill(pool, chosen, rng), record=record)
     m["time/iteration_s"] = time.perf_counter() - t0  # rollouts + credit + step
+    if record and primary:
+      r = trainer.recorded
+      viewer.write_jsonl(episodes_file, [
+          viewer.episode_record(r.trajectories[i], engine.tok, iteration=it + 1,
+                                phase="train", batch=r.batch, seq=i,
+                                trainer_logprobs=r.trainer_logprobs)
+          for i in viewer.sample_groups(r.trajectories, cfg.log.per_group)])
     if (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations:
-      m.update({f"eval/{k}": v for k, v in rl.evaluate(engine, eval_tasks).items()})
+      m.update({f"eval/{k}": v for k, v in evaluate(it + 1).items()})
     if it + 1 == cfg.iterations:
       m["eval/success_sampled"] = sampled_success()
     log(it + 1, m)
@@ -252,8 +272,7 @@ def run(cfg, workdir) -> dict | None:
   last = metrics.read_metrics(workdir)[-1]
   final = last.get("eval/success", float("nan"))
   final_sampled = last.get("eval/success_sampled", float("nan"))
-  plot_curves.plot({workdir.name: metrics.read_metrics(workdir)}, CURVE_KEYS,
-                   workdir / "curves.png")
+  plot_curves.report({workdir.name: [metrics.read_metrics(workdir)]}, workdir / "curves.png")
   summary = {"sft_success": progress["sft_success"], "rl_success": final,
              "sft_success_sampled": progress.get("sft_success_sampled", float("nan")),
              "rl_success_sampled": final_sampled}

@@ -120,26 +120,54 @@ def _load_plot_curves():
 
 def test_plot_writes_png_and_skips_missing_keys(tmp_path):
   runs = {
-      "seed0": [{"step": s, "time": 100.0 + s, "train/loss": 1.0 / (s + 1),
-                 "eval/success": s / 10} for s in range(10)],
-      "seed1": [{"step": s, "time": 50.0 + 2 * s, "train/loss": math.nan}
-                for s in range(10)],
+      "a": [[{"step": s, "time": 100.0 + s, "train/loss": 1.0 / (s + 1),
+              "eval/success": s / 10} for s in range(10)]],
+      "b": [[{"step": s, "time": 50.0 + 2 * s, "train/loss": math.nan} for s in range(10)]],
   }
   out = tmp_path / "curves.png"
-  _load_plot_curves().plot(runs, ["eval/success", "train/loss", "absent"],
-                           str(out), x="time")
+  _load_plot_curves().plot(runs, [("success", ("eval/success",)), ("loss", ("train/loss",)),
+                                  ("absent", ("absent",))], str(out), x="time")
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert out.stat().st_size > 1000
+  with pytest.raises(ValueError, match="none of the requested metrics"):
+    _load_plot_curves().plot(runs, [("absent", ("absent",))], str(out))
+
+
+def test_seeds_of_a_run_are_averaged_over_the_steps_they_share(tmp_path):
+  plot_curves = _load_plot_curves()
+  for run, seeds in (("grpo", 3), ("gae", 1)):
+    for k in range(seeds):
+      with MetricsWriter(tmp_path / run / f"seed{k}", tensorboard=False) as w:
+        for step in range(4 - (k == 2)):  # seed 2 stopped a step early
+          w.write(step, {"reward_mean": step + k}, prefix="rollout/")
+  runs = plot_curves.group_seeds([str(tmp_path / "grpo" / f"seed{k}") for k in range(3)]
+                                 + [str(tmp_path / "gae" / "seed0")])
+  assert list(runs) == ["grpo", "gae"] and [len(v) for v in runs.values()] == [3, 1]
+  xs, mean, low, high = plot_curves._series(runs["grpo"], "rollout/reward_mean", "step")  # pylint: disable=protected-access
+  np.testing.assert_array_equal(xs, [0, 1, 2])
+  np.testing.assert_allclose(mean, [1, 2, 3])
+  np.testing.assert_array_equal(low, [0, 1, 2])
+  np.testing.assert_array_equal(high, [2, 3, 4])
+  out = tmp_path / "report.png"
+  plot_curves.report(runs, str(out))
+  assert out.stat().st_size > 1000
+  # Two workdirs of one basename that are not seeds stay apart, by path.
+  dirs = [str(tmp_path / d / "run") for d in ("x", "y")]
+  for d in dirs:
+    with MetricsWriter(d, tensorboard=False) as w:
+      w.write(0, {"reward_mean": 1.0}, prefix="rollout/")
+  assert list(plot_curves.group_seeds(dirs)) == dirs
 
 
 def test_plot_curves_cli(tmp_path):
   for name in ("a", "b"):
     with MetricsWriter(tmp_path / name, tensorboard=False) as w:
       for step in range(3):
-        w.write(step, {"reward_mean": step * 0.5}, prefix="train/")
-  out = tmp_path / "curves.png"
-  subprocess.run(
-      [sys.executable, str(ROOT / "experiments" / "plot_curves.py"),
-       f"--workdirs={tmp_path / 'a'},{tmp_path / 'b'}", f"--out={out}"],
-      check=True, capture_output=True, timeout=120)
-  assert out.stat().st_size > 1000
+        w.write(step, {"reward_mean": step * 0.5, "custom": 1.0}, prefix="rollout/")
+  for keys in ([], ["--keys=all"]):  # the run report; every key
+    out = tmp_path / f"curves{len(keys)}.png"
+    subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "plot_curves.py"),
+         f"--workdirs={tmp_path / 'a'},{tmp_path / 'b'}", f"--out={out}", *keys],
+        check=True, capture_output=True, timeout=120)
+    assert out.stat().st_size > 1000

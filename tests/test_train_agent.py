@@ -5,6 +5,13 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
+
+from agentrl_jax import viewer
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import view  # pylint: disable=wrong-import-position
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = [
     "--config=experiments/configs/default.py", "--config.sft.steps=4",
@@ -12,7 +19,8 @@ TINY = [
     "--config.env.num_train_tasks=40", "--config.env.num_eval_tasks=4",
     "--config.rl.tasks_per_iteration=2", "--config.rl.group_size=2",
     "--config.sampler.num_slots=4", "--config.eval_every=1",
-    "--config.checkpoint_every=1",
+    "--config.checkpoint_every=1", "--config.log.trajectories_every=1",
+    "--config.log.eval_episodes=2",
 ]
 
 
@@ -48,5 +56,35 @@ def test_train_agent_writes_outputs_and_resumes_identically(tmp_path):
   a, b = _metrics(straight), _metrics(resumed)
   assert [m["step"] for m in a] == [m["step"] for m in b]
   assert a == b
+  # The viewer's episodes too: the resumed run dropped what it redid (group
+  # ids are the engine's counter, which restarts with the process).
+  episodes = [[{k: v for k, v in r.items() if k != "group_id"}
+               for r in viewer.read_jsonl(d / "trajectories.jsonl")] for d in (straight, resumed)]
+  assert [r["iteration"] for r in episodes[0]][-3:] == [3, 3, 3]
+  assert episodes[0] == episodes[1]
   summaries = [json.loads((d / "summary.json").read_text()) for d in (straight, resumed)]
   assert summaries[0] == summaries[1]
+
+
+def test_a_real_run_writes_episodes_the_viewer_shows(tmp_path):
+  workdir = tmp_path / "run"
+  _run(workdir, 2)
+  records = viewer.read_jsonl(workdir / "trajectories.jsonl")
+  train = [r for r in records if r["phase"] == "train"]
+  evals = [r for r in records if r["phase"] == "eval"]
+  # 2 groups x 2 episodes (best and worst) per iteration; 2 held-out
+  # episodes at the SFT evaluation and after each iteration (eval_every=1).
+  assert [r["iteration"] for r in train] == [1] * 4 + [2] * 4
+  assert [r["iteration"] for r in evals] == [0, 0, 1, 1, 2, 2]
+  for r in train:
+    on = np.asarray(r["loss_mask"]) > 0
+    assert on.any() and all(r["advantage"][i] is not None for i in np.flatnonzero(on))
+    # The sampler ran the parameters the trainer read before its update:
+    # on every action token the two log-probs agree.
+    sampler = np.asarray([r["sampler_logprob"][i] for i in np.flatnonzero(on)])
+    trainer = np.asarray([r["trainer_logprob"][i] for i in np.flatnonzero(on)])
+    np.testing.assert_allclose(trainer, sampler, atol=2e-4)
+  run = view.browse(view.write_page(workdir))
+  assert 'data-ready="1"' in run.stdout and "data-error" not in run.stdout
+  main = run.stdout[run.stdout.index("<main>"):]
+  assert main.count('<section class="episode"') == len(records)

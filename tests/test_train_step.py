@@ -99,6 +99,14 @@ def test_logprob_gap_and_truncated_importance_sampling(model):
   exact = batch.replace(old_logprobs=np.where(batch.loss_mask > 0, lp, 0.0))
   _, _, m, _ = _run(model, train.LossConfig(), exact)
   assert float(m["logprob_gap_mean_abs"]) < 1e-5 and float(m["logprob_gap_kl"]) < 1e-8
+  # The policy's entropy on its action tokens, before the update, token mean;
+  # against float64 from the full logits (the state before a token predicts it).
+  logits = np.asarray(model(batch.tokens, batch.positions, batch.seq_ids), np.float64)
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  ent = -(np.exp(logp) * logp).sum(-1)
+  on = np.roll(batch.loss_mask, -1, axis=1) > 0
+  np.testing.assert_allclose(m["policy_entropy"], ent[on].mean(), rtol=1e-6)
   # The sampler was 0.5 nats more confident than the trainer on every token.
   shifted = exact.replace(old_logprobs=exact.old_logprobs + 0.5 * exact.loss_mask)
   _, _, m, _ = _run(model, train.LossConfig(), shifted)

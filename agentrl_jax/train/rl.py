@@ -44,6 +44,7 @@ Non-finite updates are skipped by the step; `max_bad_steps` in a row raise.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -103,6 +104,16 @@ class RLConfig:
       raise ValueError("max_refill_tasks cannot run with partial rollouts (token_budget)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+  """An iteration's episodes as trained: the credited batch (before
+  filtering) and the trainer's log-probs [B, L] before the update."""
+
+  trajectories: list[Trajectory]
+  batch: TokenBatch
+  trainer_logprobs: np.ndarray
+
+
 def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequence[int]]],
                     iteration: int) -> list[Task]:
   """The tasks whose level the curriculum allows at `iteration`.
@@ -123,16 +134,19 @@ def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequenc
 
 
 def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
-             temperature: float = 0.0, samples: int = 1,
-             seed: int | None = None) -> dict[str, float]:
+             temperature: float = 0.0, samples: int = 1, seed: int | None = None,
+             trajectories: list | None = None) -> dict[str, float]:
   """Held-out success and reward over `samples` episodes per task.
 
   Greedy (temperature 0, one episode per task) by default; with sampling,
   pass a `seed` so the evaluation is reproducible. With several processes
   each runs its share of `tasks` and every one returns the overall result.
+  trajectories: a list this process's episodes are appended to.
   """
   result = engine.run(distributed.task_share(tasks), samples, temperature=temperature,
                       seed=seed, isolated=True)
+  if trajectories is not None:
+    trajectories.extend(result.trajectories)
   m = result.metrics
   return distributed.combine(
       {"success": m["success_frac"], "reward": m["reward_mean"],
@@ -165,16 +179,27 @@ class RLTrainer:
     if self._credit.needs_values:
       # Values come back row-sharded: each process reads its own rows.
       self._values = jax.jit(self._values_impl, out_shardings=self._rows)
+    self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(2,),
+                             out_shardings=self._rows)
+    self.recorded: Recorded | None = None
 
   def _values_impl(self, params, batch):
     return step_lib.token_values(self.step.graphdef, params, batch)
 
+  def _logprobs_impl(self, params, batch, num_actions):
+    return step_lib.action_logprobs(self.step.graphdef, params, batch, num_actions,
+                                    chunk=self.step.cfg.head_chunk)
+
   def iteration(self, tasks: Sequence[Task], it: int,
-                refill: Callable[[int], Sequence[Task]] | None = None) -> dict[str, float]:
+                refill: Callable[[int], Sequence[Task]] | None = None,
+                record: bool = False) -> dict[str, float]:
     """One iteration on `tasks` (policy version `it`); returns its metrics.
 
     refill: n -> up to n more tasks (none of `tasks`), for DAPO's dynamic
       sampling (`max_refill_tasks`); None: no refill.
+    record: keep this iteration's episodes, their credited batch and the
+      trainer's log-probs before the update in `self.recorded` (for the
+      trajectory viewer).
     """
     cfg = self.cfg
     # Each process samples its own stream (the same one with one process).
@@ -201,6 +226,10 @@ class RLTrainer:
     batch = (collate(trajs, buckets=(length,), num_rows=num_rows) if trajs
              else _padding_batch(num_rows, length))
     batch = self._assign(batch, trajs, tasks, it, metrics)
+    if record:
+      num = losses.action_bucket(int(most_actions), length)
+      self.recorded = Recorded(trajs, batch, distributed.local_rows(self._logprobs(
+          self.state.params, self._to_global(batch), num)))
     if cfg.filter_zero_variance:
       batch, kept, groups, dropped = _keep_groups_with_signal(batch, trajs)
       metrics["rollout/kept_frac"] = kept / max(len(trajs), 1)
@@ -216,8 +245,10 @@ class RLTrainer:
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics = self._combine(metrics, len(result.trajectories))
     num_actions = losses.action_bucket(int(most_actions), length)
+    t0 = time.perf_counter()
     self.state, train_metrics = self.step(self.state, self._to_global(batch), num_actions)
     train_metrics = jax.device_get(train_metrics)
+    metrics["time/step_s"] = time.perf_counter() - t0
     self.engine.sampler.update_params(self.state.params)
     skipped = float(train_metrics["skipped_updates"]) > 0
     self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0

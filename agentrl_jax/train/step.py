@@ -137,6 +137,17 @@ def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.A
   return out
 
 
+def action_logprobs(graphdef: nnx.GraphDef, params, batch: TokenBatch, num_actions: int,
+                    *, chunk: int) -> jax.Array:
+  """[B, L] float32 log-probs of the batch's action tokens under `params`
+  (0 elsewhere): the trainer's view of what the sampler sampled."""
+  index, valid = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0), num_actions)
+  lp = action_heads(graphdef, params, batch, index, chunk=chunk)["logprobs"]
+  rows = jnp.arange(index.shape[0])[:, None]
+  return jnp.zeros(batch.tokens.shape, jnp.float32).at[rows, index].add(
+      jnp.where(valid, lp, 0.0))
+
+
 @flax.struct.dataclass
 class _Actions:
   """A batch's per-token arrays at its action tokens, [B, A] each."""
@@ -257,9 +268,14 @@ class RLStep:
     rollout, mask = acts.old_logprobs, acts.mask
     metrics = {}
     if cfg.behaviour_forward:
-      trainer_old = jax.lax.map(lambda xs: lp_of(state.params, xs), (micro, acts))
+      behaviour = jax.lax.map(lambda xs: action_heads(
+          self.graphdef, state.params, xs[0], xs[1].index, chunk=cfg.head_chunk,
+          entropy=True), (micro, acts))
+      trainer_old = behaviour["logprobs"]
       gap = jnp.where(mask > 0, trainer_old - rollout, 0.0)
       metrics = {
+          # The policy's entropy on the sampled states, before the update.
+          "policy_entropy": masked_mean(behaviour["entropy"], mask),
           "logprob_gap_mean_abs": masked_mean(jnp.abs(gap), mask),
           "logprob_gap_max_abs": jnp.max(jnp.abs(gap)),
           # k3 estimate of KL(sampler || trainer) from the sampler's tokens.

@@ -26,6 +26,12 @@ def get_config():
   c.eval_samples = 4
   c.checkpoint_every = 20
   c.keep_checkpoints = 2
+  # Episodes for the trajectory viewer (experiments/view.py), written to
+  # <workdir>/trajectories.jsonl: every k RL iterations (0: never) up to
+  # `per_group` of each group (its best and worst first), and at every
+  # greedy evaluation the first `eval_episodes` held-out episodes.
+  c.log = ml_collections.ConfigDict(dict(trajectories_every=10, per_group=2,
+                                         eval_episodes=8))
   # ((first iteration, allowed task levels), ...); empty: all levels always.
   c.curriculum = ()
 
