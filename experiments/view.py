@@ -2,7 +2,7 @@
 
   python experiments/view.py --workdir runs/default            # -> runs/default/trajectories.html
   python experiments/view.py --workdir runs/credit_ablation    # each scheme's advantages
-  python experiments/view.py --workdir runs/default --screenshot shot.png
+  python experiments/view.py --workdir runs/default --phase train --screenshot shot.png
 
 Reads `<workdir>/trajectories.jsonl` (written by train_agent.py every
 `log.trajectories_every` iterations and at each evaluation, or by
@@ -20,10 +20,12 @@ import tempfile
 from agentrl_jax import viewer
 
 
-def write_page(workdir, out=None, title=None) -> pathlib.Path:
-  """Renders `<workdir>/trajectories.jsonl` to `out` (default: next to it)."""
+def write_page(workdir, out=None, title=None, phase=None) -> pathlib.Path:
+  """Renders `<workdir>/trajectories.jsonl` (only `phase`'s episodes, if
+  given) to `out` (default: next to it)."""
   workdir = pathlib.Path(workdir)
-  records = viewer.read_jsonl(workdir / "trajectories.jsonl")
+  records = [r for r in viewer.read_jsonl(workdir / "trajectories.jsonl")
+             if phase is None or r["phase"] == phase]
   out = pathlib.Path(out) if out else workdir / "trajectories.html"
   out.write_text(viewer.render(records, title or f"Episodes of {workdir.name}"))
   return out
@@ -60,9 +62,10 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--workdir", required=True)
   p.add_argument("--out", default=None)
+  p.add_argument("--phase", default=None, help="only these episodes: train, eval, example")
   p.add_argument("--screenshot", default=None)
   args = p.parse_args()
-  out = write_page(args.workdir, args.out)
+  out = write_page(args.workdir, args.out, phase=args.phase)
   print(f"wrote {out}")
   if args.screenshot:
     browse(out, screenshot=args.screenshot)

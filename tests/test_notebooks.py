@@ -8,7 +8,8 @@ import nbformat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "credit_assignment.ipynb"
-SCHEMES = ("grpo", "drgrpo", "turn_returns", "gae", "branching")
+SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "gae", "branching", "gigpo",
+           "turn_rloo")  # the last one the notebook defines itself
 
 
 def _parameters_cell(nb):

@@ -144,3 +144,10 @@ def test_the_page_runs_in_a_real_browser(tok, tmp_path):
   assert 'data-iteration="20" data-phase="eval"' in compare
   assert "Uncaught" not in run.stderr and "CONSOLE" not in run.stderr
   assert (tmp_path / "shot.png").stat().st_size > 10_000
+
+
+def test_view_renders_one_phase(tok, tmp_path):
+  viewer.write_jsonl(tmp_path / "trajectories.jsonl", _records(tok))
+  page = _Spans()
+  page.feed(view.write_page(tmp_path, tmp_path / "eval.html", phase="eval").read_text())
+  assert [p["data-phase"] for p in page.panels] == ["eval"]

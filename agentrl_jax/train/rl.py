@@ -319,7 +319,9 @@ class RLTrainer:
       result = self.engine.run(more, cfg.group_size, policy_version=it, seed=(
           self.seed * 1_000_003 + it + 104_729 * rounds) % 2**31)
       metrics["rollout/refill_episodes"] += len(result.trajectories)
-      new = self._trainable(result.trajectories, metrics)
+      counts = {}  # the overlong metrics describe the first round's episodes
+      new = self._trainable(result.trajectories, counts)
+      metrics["rollout/env_steps"] += counts["rollout/env_steps"]
       if not new:
         continue
       base = cfg.tasks_per_iteration * cfg.group_size
