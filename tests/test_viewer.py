@@ -109,8 +109,11 @@ def _records(tok):
 def test_page_colours_every_action_token_and_no_other(tok):
   records = _records(tok)
   page = _Spans()
-  page.feed(viewer.render(records))
+  text = viewer.render(records)
+  page.feed(text)
   assert len(page.panels) == len(records)
+  # Reward parts are named where not 0: "turn 2 · reward +1.000 (outcome +1.00)".
+  assert "reward +1.000 (outcome +1.00)" in text and "reward +0.000 (" not in text
   flat = [(r, i) for r in records for i in range(len(r["tokens"]))]
   assert len(page.spans) == len(flat)
   for span, (rec, i) in zip(page.spans, flat):

@@ -152,8 +152,10 @@ def _panel(rec: dict, scale: float) -> str:
       tag = f"turn {turn}"
       if turn < len(rewards):
         tag += f" · reward {rewards[turn]:+.3f}"
-      if turn < len(parts):
-        tag += " (" + ", ".join(f"{k} {v:+.2f}" for k, v in parts[turn].items() if v) + ")"
+      named = ", ".join(f"{k} {v:+.2f}" for k, v in (parts[turn] if turn < len(parts)
+                                                      else {}).items() if v)
+      if named:
+        tag += f" ({named})"
       if rec["window_start"] is not None and turn < len(rec["window_start"]):
         tag += f" · context from token {rec['window_start'][turn]}"
     body.append(f'<div class="turn"><span class="tag">{html.escape(tag)}</span>'
