@@ -6,6 +6,8 @@ import pathlib
 import nbclient
 import nbformat
 
+from agentrl_jax import viewer
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "credit_assignment.ipynb"
 SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "gae", "branching", "gigpo",
@@ -53,3 +55,7 @@ def test_notebook_executes_at_the_tiny_size(tmp_path):
     assert (tmp_path / scheme / "seed0" / "sampled_eval.json").exists()
   assert _images(next(c for c in code if "ab.plot(results)" in c.source)) == 1
   assert _images(next(c for c in code if "plot_advantages" in c.source)) == 1
+  # The example episodes under every scheme, for the viewer, and its page.
+  labels = {r["label"] for r in viewer.read_jsonl(tmp_path / "trajectories.jsonl")}
+  assert labels == set(SCHEMES)
+  assert (tmp_path / "trajectories.html").stat().st_size > 10_000

@@ -11,6 +11,7 @@ from agentrl_jax import viewer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 import view  # pylint: disable=wrong-import-position
+import test_viewer  # pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = [
@@ -84,7 +85,9 @@ def test_a_real_run_writes_episodes_the_viewer_shows(tmp_path):
     sampler = np.asarray([r["sampler_logprob"][i] for i in np.flatnonzero(on)])
     trainer = np.asarray([r["trainer_logprob"][i] for i in np.flatnonzero(on)])
     np.testing.assert_allclose(trainer, sampler, atol=2e-4)
-  run = view.browse(view.write_page(workdir))
+  page = view.write_page(workdir)
+  test_viewer.check_page(records, page.read_text())
+  run = view.browse(page)
   assert 'data-ready="1"' in run.stdout and "data-error" not in run.stdout
   main = run.stdout[run.stdout.index("<main>"):]
   assert main.count('<section class="episode"') == len(records)

@@ -106,24 +106,32 @@ def _records(tok):
   return train + [viewer.episode_record(trajs[0], tok, iteration=20, phase="eval")]
 
 
-def test_page_colours_every_action_token_and_no_other(tok):
-  records = _records(tok)
+def check_page(records, text):
+  """Every action token of `records` coloured on the page, no other token;
+  each token's hover text is its record's id, turn, log-probs and advantage."""
   page = _Spans()
-  text = viewer.render(records)
   page.feed(text)
   assert len(page.panels) == len(records)
-  # Reward parts are named where not 0: "turn 2 · reward +1.000 (outcome +1.00)".
-  assert "reward +1.000 (outcome +1.00)" in text and "reward +0.000 (" not in text
   flat = [(r, i) for r in records for i in range(len(r["tokens"]))]
   assert len(page.spans) == len(flat)
   for span, (rec, i) in zip(page.spans, flat):
     trained = rec["loss_mask"][i] == 1
     assert ("action" in span["class"]) == trained
     assert ("background" in span.get("style", "")) == trained
-    adv, s = rec["advantage"][i], rec["sampler_logprob"][i]
-    assert span["title"].startswith(f"id {rec['tokens'][i]} | turn {rec['turn'][i]} | ")
-    assert f"advantage {'-' if adv is None else f'{adv:+.3f}'}" in span["title"]
-    assert f"sampler {'-' if s is None else f'{s:+.3f}'}" in span["title"]
+    adv, s, t = rec["advantage"][i], rec["sampler_logprob"][i], rec["trainer_logprob"][i]
+    fmt = lambda x: "-" if x is None else f"{x:+.3f}"
+    assert span["title"] == (
+        f"id {rec['tokens'][i]} | turn {rec['turn'][i]} | sampler {fmt(s)} | trainer {fmt(t)}"
+        f" | gap {fmt(None if s is None or t is None else t - s)} | advantage {fmt(adv)}")
+  return page
+
+
+def test_page_colours_every_action_token_and_no_other(tok):
+  records = _records(tok)
+  text = viewer.render(records)
+  page = check_page(records, text)
+  # Reward parts are named where not 0: "turn 2 · reward +1.000 (outcome +1.00)".
+  assert "reward +1.000 (outcome +1.00)" in text and "reward +0.000 (" not in text
   # GRPO's +-1.22 at both ends of the scale; an eval action has no advantage.
   colours = {s["style"] for s in page.spans if "action" in s["class"]}
   assert {"background:rgb(180,4,38)", "background:rgb(59,76,192)",
