@@ -52,9 +52,18 @@ the context it was sampled in (`Trajectory.flatten_views`).
 Branching (`branch`): continuations from an intermediate state of a
 recorded episode. A fresh environment is reset and replayed through the
 recorded actions (their observations and rewards must come back identical,
-else the environment is not replayable and branching raises); the slot is
-prefilled with the recorded tokens, and the policy samples on from there
-under the same budgets.
+else the environment is not replayable and branching raises), and the
+policy samples on from there under the same budgets. The slot gets the
+recorded prefix's keys/values by forking: `run(..., keep_caches=True)`
+snapshots each finished episode's cache on device (`Sampler.snapshot`, the
+smallest attention window that holds it) before its slot is reused, and a
+continuation copies the snapshot's prefix into its own slot and computes
+only the prefix's last token (its next-token logits) and its new tokens.
+Without a snapshot from the same policy version, the slot is prefilled
+with the whole prefix. Snapshots, not held slots: a run with more episodes
+than slots would stall if finished episodes kept theirs. They cost one
+window of keys/values per episode until the next `branch` (which drops
+them) or keeping `run`.
 
 Expert mode (`run(..., expert=True)`) replaces the sampler with the
 environment's scripted expert: its action text is encoded once and recorded
@@ -134,6 +143,10 @@ class _Episode:
   context_start: int = 1  # segments[context_start:] follow the prompt in the cache
   context_starts: list = dataclasses.field(default_factory=list)  # per action
   state_keys: list = dataclasses.field(default_factory=list)  # info["state_key"] per state
+  cached: int = 0  # tokens in the slot's cache
+  snapshot_id: int | None = None  # its kept cache (`run(..., keep_caches=True)`)
+  source: _Kept | None = None  # branch: the kept cache to fork the prefix from
+  fork: tuple | None = None  # (snapshot, length) to fork the slot from before feeding
   pending: list | None = None  # tokens to feed before the next action
   fresh: bool = True  # pending starts the slot's context (prefill)
   observation: str = ""  # last observation (the expert's input)
@@ -215,6 +228,10 @@ class RolloutEngine:
     self._group_ids = itertools.count()
     self._version: int | None = None
     self._ticks = itertools.count()  # orders collections and submission rounds
+    self._keep = False  # snapshot finished episodes' caches (for `branch`)
+    self._kept: dict[int, _Kept] = {}
+    self._snapshot_ids = itertools.count()
+    self.branch_metrics: dict[str, float] = {}  # the last `branch` call's
     self._calls = env_calls.EnvCaller(config.env_workers)
 
   def close(self):
@@ -243,7 +260,8 @@ class RolloutEngine:
   def run(self, tasks: Sequence[Task], group_size: int = 1, *,
           policy_version: int = 0, token_budget: int | None = None,
           expert: bool = False, temperature: float | None = None,
-          seed: int | None = None, isolated: bool = False) -> RolloutResult:
+          seed: int | None = None, isolated: bool = False,
+          keep_caches: bool = False) -> RolloutResult:
     """Rolls out `group_size` episodes per task (plus carried-over ones).
 
     `temperature` overrides the configured one for this call (e.g. 0 for
@@ -253,6 +271,8 @@ class RolloutEngine:
     completed in this call. `isolated`: run only these tasks, to the end,
     and leave carried-over partial rollouts (and their slots) untouched for
     the next call, e.g. an evaluation between training iterations.
+    `keep_caches`: snapshot every finished episode's cache for `branch` to
+    fork from (dropping earlier snapshots); see the module doc.
     """
     if isolated:
       if token_budget is not None:
@@ -264,6 +284,13 @@ class RolloutEngine:
                         temperature=temperature, seed=seed)
       finally:
         (self._carry, self._finished), self._version = stash, version
+    if keep_caches and (expert or token_budget is not None
+                        or self.config.context_window is not None):
+      raise ValueError("keep_caches is for branching: policy rollouts to the end "
+                       "(no token_budget) with an append-only context")
+    if keep_caches:
+      self._kept = {}
+    self._keep = keep_caches
     if seed is not None and self._state is not None:
       self._state = self._state.replace(rng=jax.random.key(seed))
     self._temperature = self.config.temperature if temperature is None else temperature
@@ -310,7 +337,10 @@ class RolloutEngine:
       otherwise: branching needs a replayable environment).
     Returns, per point, its n continuations as full trajectories (the
     recorded prefix, then the new turns); `max_turns` counts the replayed
-    turns too.
+    turns too. A trajectory from a `keep_caches` run of the same policy
+    version forks its cached prefix, others prefill it (`branch_metrics`
+    counts both and the tokens the sampler computed); the snapshots are
+    dropped afterwards.
     """
     if self._carry or self._finished:
       raise ValueError("finish carried-over rollouts before branching")
@@ -337,19 +367,41 @@ class RolloutEngine:
       self._group_sizes[group] = n
       group_of_point.append(group)
       texts = [self.tok.decode(s.token_ids) for s in traj.segments[1:1 + 2 * t:2]]
+      source = self._source(traj, t, policy_version)
       for _ in range(n):
         episodes.append(_Episode(task=task, group=group, env=self.env_factory(),
                                  replay=traj.segments[:1 + 2 * t], replay_actions=texts,
                                  rewards_check=list(traj.turn_rewards or [])[:t],
                                  versions=list(traj.metadata.get("policy_versions", []))[:t],
-                                 stop_reasons=list(traj.metadata.get("stop_reasons", []))[:t]))
+                                 stop_reasons=list(traj.metadata.get("stop_reasons", []))[:t],
+                                 source=source))
     stats = _Stats(num_slots=self.sampler.num_slots)
-    self._finished = self._loop(episodes, False, None, stats)
+    self._keep = False
+    try:
+      self._finished = self._loop(episodes, False, None, stats)
+    finally:
+      self._kept = {}
     by_group = collections.defaultdict(list)
     for ep in self._complete_groups():
       if ep.segments:  # (a replay whose env failed has none)
         by_group[ep.group].append(self._record(ep))
+    self.branch_metrics = {
+        "continuations": float(len(episodes)),
+        "forked": float(sum(ep.source is not None for ep in episodes)),
+        "fed_tokens": float(stats.fed_tokens),
+        "generated_tokens": float(stats.generated_tokens),
+        "generation_s": stats.generation, "env_wait_s": stats.env_wait}
     return [by_group[g] for g in group_of_point]
+
+  def _source(self, traj: Trajectory, t: int, version: int) -> _Kept | None:
+    """The kept cache holding `traj`'s prefix before action t, if any."""
+    kept = self._kept.get(traj.metadata.get("snapshot_id"))
+    if kept is None or kept.version != version:
+      return None  # no snapshot, or keys/values of other weights
+    prefix = [i for s in traj.segments[:1 + 2 * t] for i in s.token_ids]
+    if len(prefix) > kept.snapshot.length or kept.tokens[:len(prefix)] != prefix:
+      raise ValueError("the trajectory's tokens differ from those its snapshot cached")
+    return kept
 
   def _complete_groups(self) -> list[_Episode]:
     """Pops the finished episodes of every complete group, members adjacent."""
@@ -395,6 +447,8 @@ class RolloutEngine:
         self._collect(ep, future.result())
         ep.ready_at = next(ticks)
       for ep in [ep for ep in running if ep.done and ep.slot is not None]:
+        if self._keep:
+          self._keep_cache(ep)
         self._release(ep)
       if budget_spent:
         return running + list(waiting)
@@ -491,8 +545,12 @@ class RolloutEngine:
       ep.state_keys.append(result.info.get("state_key"))
     ep.segments = list(ep.replay)
     ep.context_starts = [ep.context_start] * len(replayed.steps)
-    ep.pending = [t for s in ep.segments for t in s.token_ids]
-    ep.fresh = True
+    prefix = [t for s in ep.segments for t in s.token_ids]
+    if ep.source is None:
+      ep.pending, ep.fresh = prefix, True
+    else:  # all but the last token forked; that one gives the next-token logits
+      ep.fork = (ep.source.snapshot, len(prefix) - 1)
+      ep.pending, ep.fresh = prefix[-1:], False
 
   def _collect(self, ep: _Episode, result) -> None:
     """An env call came back: queue its tokens or end the episode."""
@@ -566,6 +624,15 @@ class RolloutEngine:
     kept = self.tok.decode(ids[:budget])
     return kept + TRUNCATION_MARKER.format(len(text) - len(kept))
 
+  def _keep_cache(self, ep: _Episode) -> None:
+    """Snapshots a finished episode's cache before its slot is reused."""
+    if ep.slot < 0 or ep.cached == 0:
+      return
+    ep.snapshot_id = next(self._snapshot_ids)
+    tokens = [t for s in ep.segments for t in s.token_ids][:ep.cached]
+    self._kept[ep.snapshot_id] = _Kept(
+        self.sampler.snapshot(self._state, ep.slot, ep.cached), tokens, self._version)
+
   def _release(self, ep: _Episode) -> None:
     if self.sampler is not None and ep.slot >= 0:
       self._free.append(ep.slot)
@@ -576,12 +643,18 @@ class RolloutEngine:
     sampler = self.sampler
     groups = {fresh: [ep for ep in ready if ep.fresh == fresh] for fresh in (True, False)}
     for fresh, feed in groups.items():
+      for ep in feed:
+        if ep.fork is not None:
+          self._state = sampler.fork(self._state, ep.slot, *ep.fork)
+          ep.fork = None
       if feed:
         call = sampler.prefill if fresh else sampler.extend
         self._state = call(self._state, [ep.slot for ep in feed],
                            [ep.pending for ep in feed])
+        stats.fed_tokens += sum(len(ep.pending) for ep in feed)
       for ep in feed:
         ep.fresh = False
+        ep.cached = ep.length
     room = [min(self.config.max_action_tokens, sampler.cache_length - ep.length)
             for ep in ready]
     cfg = self.config
@@ -591,6 +664,9 @@ class RolloutEngine:
         top_p=cfg.top_p)
     stats.decode_calls += 1
     stats.occupancy += len(ready) / sampler.num_slots
+    for ep in ready:
+      ep.cached += len(actions[ep.slot].tokens)
+      stats.generated_tokens += len(actions[ep.slot].tokens)
     return [(actions[ep.slot].tokens, actions[ep.slot].raw_logprobs,
              actions[ep.slot].stop_reason) for ep in ready]
 
@@ -628,6 +704,8 @@ class RolloutEngine:
             # The state each action was taken in (GiGPO's anchors); None
             # where the environment reports no key.
             "state_keys": (ep.state_keys + [None] * n)[:n],
+            # Its kept cache (`keep_caches`), for `branch` to fork from.
+            **({} if ep.snapshot_id is None else {"snapshot_id": ep.snapshot_id}),
         })
 
 
@@ -657,11 +735,20 @@ class _Replayed:
 
 
 @dataclasses.dataclass
+class _Kept:
+  snapshot: Any  # sampling.SlotSnapshot of the episode's cache
+  tokens: list[int]  # the tokens it holds
+  version: int | None  # the policy version that computed them
+
+
+@dataclasses.dataclass
 class _Stats:
   num_slots: int
   abandoned: int = 0  # the engine's count of abandoned calls when the call began
   env_wait: float = 0.0
   generation: float = 0.0
+  fed_tokens: int = 0  # prompt and observation tokens the sampler computed
+  generated_tokens: int = 0
   decode_calls: int = 0
   occupancy: float = 0.0
 
@@ -695,5 +782,6 @@ class _Stats:
         "env_call_p50_s": float(p50), "env_call_p95_s": float(p95),
         "env_call_max_s": float(top), "env_calls_abandoned": float(abandoned),
         "env_wait_s": self.env_wait, "generation_s": self.generation,
+        "sampler_fed_tokens": float(self.fed_tokens),
         "slot_occupancy": self.occupancy / max(self.decode_calls, 1),
     }

@@ -47,7 +47,7 @@ SIZES = {
     # The real comparison (runtime on this CPU: see the README).
     # The RL batch and learning rate are pinned: the committed notebook was
     # run with these, before the default config moved to 8 maps at 5e-5.
-    "full": dict(seeds=(0, 1, 2), overrides={
+    "full": dict(seeds=tuple(range(8)), overrides={
         "iterations": 30, "eval_every": 5, "checkpoint_every": 100,
         "env.num_eval_tasks": 64, "rl.tasks_per_iteration": 4,
         "rl_optim.learning_rate": 1e-4, "rl_optim.total_steps": 200}),
@@ -76,8 +76,15 @@ def _done(workdir: pathlib.Path) -> bool:
 
 
 def run(size: str, root, schemes=SCHEMES) -> dict:
-  """Runs (or reuses) every (scheme, seed); returns their metric rows."""
+  """Runs (or reuses) every (scheme, seed); returns their metric rows.
+
+  The runs share a persistent compilation cache (`<root>/jax_cache`): every
+  run builds the same programs, so only the first to need one compiles it
+  and the others' wall-clock holds little compile time.
+  """
   root = pathlib.Path(root)
+  jax.config.update("jax_compilation_cache_dir", str(root / "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   results = {}
   for seed in SIZES[size]["seeds"]:
     sft_dir = root / "sft" / f"seed{seed}"
@@ -97,8 +104,22 @@ def run(size: str, root, schemes=SCHEMES) -> dict:
   return results
 
 
+def bootstrap_mean(values, *, level: float = 0.95, resamples: int = 10_000,
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(mean, low, high): the mean over axis 0 (seeds) and its percentile
+  bootstrap interval, resampling the seeds with replacement. values [n, ...]."""
+  values = np.asarray(values, np.float64)
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(0, len(values), (resamples, len(values)))
+  means = values[idx].mean(axis=1)
+  tail = (1 - level) / 2 * 100
+  low, high = np.percentile(means, [tail, 100 - tail], axis=0)
+  return values.mean(axis=0), low, high
+
+
 def curves(results: dict, key: str, x: str = "env_steps") -> dict:
-  """Per scheme: (x [n], mean [n], std [n]) over seeds of `key` at RL steps.
+  """Per scheme: (x [n], mean [n], low [n], high [n]) over seeds of `key` at
+  RL steps: the mean and its 95% bootstrap interval over seeds.
 
   x: "env_steps" (cumulative environment steps sampled, branch
   continuations included) or "wall_s" (cumulative seconds of rollouts,
@@ -122,12 +143,13 @@ def curves(results: dict, key: str, x: str = "env_steps") -> dict:
       ys.append([p[1] for _, p in sorted(pts.items())])
     n = min(len(v) for v in ys)
     xs, ys = np.asarray([v[:n] for v in xs]), np.asarray([v[:n] for v in ys])
-    out[scheme] = (xs.mean(0), ys.mean(0), ys.std(0))
+    out[scheme] = (xs.mean(0), *bootstrap_mean(ys))
   return out
 
 
 def plot(results: dict, path=None):
-  """Success and reward vs env steps and wall-clock, mean turns (mean +- std)."""
+  """Success and reward vs env steps and wall-clock, mean turns: the mean
+  over seeds, shaded over its 95% bootstrap interval."""
   panels = [("eval/success", "env_steps", "held-out success (greedy)"),
             ("rollout/success_frac", "env_steps", "rollout success (T=1)"),
             ("rollout/reward_mean", "env_steps", "rollout reward"),
@@ -136,9 +158,9 @@ def plot(results: dict, path=None):
             ("rollout/turns_mean", "env_steps", "turns per episode")]
   fig, axes = plt.subplots(2, 3, figsize=(16, 7.5))
   for ax, (key, x, label) in zip(axes.flat, panels):
-    for scheme, (xs, mean, std) in curves(results, key, x).items():
+    for scheme, (xs, mean, low, high) in curves(results, key, x).items():
       line, = ax.plot(xs, mean, label=scheme, marker="o", ms=3)
-      ax.fill_between(xs, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+      ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.12)
     ax.set_xlabel("environment steps" if x == "env_steps" else "train wall-clock (s)")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
@@ -201,30 +223,46 @@ class _Policy:
     return state.params
 
 
-def sampled_success(size: str, root, schemes=SCHEMES, *, samples: int = 4) -> dict:
-  """Held-out success at temperature 1 (the policy RL optimises).
-
-  `samples` episodes per held-out task, the same sampling seed for every
-  policy; "sft" is the shared start. Cached in each workdir
-  (sampled_eval.json). Returns {(scheme or "sft", seed): success}.
-  """
+def sampled_success(size: str, root, schemes=SCHEMES) -> dict:
+  """Held-out success at temperature 1 (the policy RL optimises), as each
+  run evaluated it (`eval_samples` episodes per held-out task, the sampling
+  seed fixed by the seed: the same for every policy of a seed); "sft" is
+  the shared start. Returns {(scheme or "sft", seed): success}."""
   root = pathlib.Path(root)
   out = {}
   for seed in SIZES[size]["seeds"]:
-    policy = None
     for name in ("sft", *schemes):
-      workdir = root / name / f"seed{seed}"
-      cache = workdir / "sampled_eval.json"
-      if not cache.exists():
-        policy = policy or _Policy(config(schemes[0], seed, size))
-        policy.load(workdir, 0 if name == "sft" else None)
-        m = rl.evaluate(policy.engine, policy.eval_tasks, temperature=1.0,
-                        samples=samples, seed=seed + 12345)
-        cache.write_text(json.dumps({"samples": samples, **m}))
-      out[name, seed] = json.loads(cache.read_text())["success"]
-    if policy is not None:
-      policy.engine.close()
+      summary = json.loads((root / name / f"seed{seed}" / "summary.json").read_text())
+      out[name, seed] = summary["sft_success_sampled" if name == "sft"
+                                else "rl_success_sampled"]
   return out
+
+
+def interval_table(size: str, root, results: dict, schemes=SCHEMES,
+                   baseline: str = "grpo") -> list[dict]:
+  """Per scheme, over seeds: held-out success greedy and at T = 1 (mean and
+  95% bootstrap interval), and the paired difference against `baseline`
+  on the same seeds (mean, interval, and whether it excludes 0)."""
+  sampled = sampled_success(size, root, schemes)
+  seeds = SIZES[size]["seeds"]
+  greedy = {}
+  for scheme in schemes:
+    greedy[scheme] = [[r for r in results[scheme, s] if "eval/success" in r][-1]["eval/success"]
+                      for s in seeds]
+  greedy["sft"] = [next(r["eval/success"] for r in results[schemes[0], s] if r["step"] == 0)
+                   for s in seeds]
+  rows = []
+  for name in ("sft", *schemes):
+    row = {"scheme": name, "seeds": len(seeds)}
+    for kind, values in (("greedy", greedy), ("t1", {n: [sampled[n, s] for s in seeds]
+                                                      for n in ("sft", *schemes)})):
+      row[kind] = bootstrap_mean(values[name])
+      if name not in ("sft", baseline):
+        diff = bootstrap_mean(np.subtract(values[name], values[baseline]))
+        row[f"{kind}_diff"] = diff
+        row[f"{kind}_distinct"] = bool(diff[1] > 0 or diff[2] < 0)
+    rows.append(row)
+  return rows
 
 
 def example_advantages(size: str, root, schemes=SCHEMES, *, seed: int = 0,

@@ -78,7 +78,8 @@ def _peaked_model():
 
 
 def _episode(sampler):
-  """prefill 3 of 4 slots, greedy decode, extend, sampled decode, release."""
+  """prefill 3 of 4 slots, greedy decode, extend, sampled decode, release,
+  fork."""
   state = sampler.init_state(seed=3)
   prompts = {0: [1, 2, 3], 1: [5, 6, 7, 8, 9], 3: [11, 12]}
   state = sampler.prefill(state, list(prompts), list(prompts.values()))
@@ -88,7 +89,13 @@ def _episode(sampler):
   state = sampler.release(state, [1])
   state = sampler.prefill(state, [1], [[9, 9, 9]])
   state, again = sampler.decode(state, [1], max_new_tokens=4, temperature=1.0, top_k=8)
-  return state, [greedy, sampled, again]
+  # Slot 2 forks slot 0's cache but its last token, then computes that one.
+  held = int(state.lengths[0])
+  state = sampler.fork(state, 2, sampler.snapshot(state, 0, held), held - 1)
+  state = sampler.extend(state, [2], [sampled[0].tokens[-1:]])
+  state, forked = sampler.decode(state, [0, 2], max_new_tokens=4, temperature=0.0)
+  assert forked[0].tokens == forked[2].tokens, forked
+  return state, [greedy, sampled, again, forked]
 
 
 @check

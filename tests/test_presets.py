@@ -1,8 +1,10 @@
-"""Named algorithms are what their papers say (and what the ablation runs)."""
+"""Named algorithms are what their papers say (and what the ablation runs);
+the ablation's intervals."""
 
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 from agentrl_jax import train
@@ -41,3 +43,22 @@ def test_ablation_arms_are_the_named_algorithms():
     assert cfg.algorithm == (scheme if scheme in presets.PRESETS else "")
   cfg = presets.apply(credit_ablation.config("drgrpo", 0, "tiny"), "drgrpo")
   assert cfg.loss.agg == "seq-mean-token-sum-norm" and cfg.loss.norm_constant > 0
+
+
+def test_bootstrap_interval_of_the_mean_over_seeds():
+  # Many seeds: the percentile interval is the normal one, mean +- 1.96 x
+  # the standard error (population std / sqrt(n)), within 5%.
+  rng = np.random.default_rng(0)
+  values = rng.normal(0.6, 0.1, (400, 3))
+  mean, low, high = credit_ablation.bootstrap_mean(values)
+  np.testing.assert_allclose(mean, values.mean(0))
+  half = 1.96 * values.std(0) / np.sqrt(400)
+  np.testing.assert_allclose(high - mean, half, rtol=0.05)
+  np.testing.assert_allclose(mean - low, half, rtol=0.05)
+  # Identical seeds: no spread to resample. A paired difference of 8 seeds
+  # all of one sign excludes 0; one of mixed signs around 0 does not.
+  assert credit_ablation.bootstrap_mean([0.5] * 8)[1:] == (0.5, 0.5)
+  _, low, _ = credit_ablation.bootstrap_mean([0.02, 0.05, 0.01, 0.08, 0.03, 0.04, 0.06, 0.02])
+  assert low > 0
+  _, low, high = credit_ablation.bootstrap_mean([0.05, -0.04, 0.02, -0.06, 0.01, 0.03, -0.02, 0.0])
+  assert low < 0 < high

@@ -135,6 +135,9 @@ def test_rl_iteration_with_branching_baselines():
   # Every turn after the first is a branch point with 2 continuations.
   points = m["rollout/episodes"] * (m["rollout/turns_mean"] - 1)
   assert points > 0 and m["rollout/branch_episodes"] == 2 * points
+  # Each forks its episode's kept cache (the rollout engine's tests check
+  # what that computes).
+  assert m["rollout/branch_forked"] == m["rollout/branch_episodes"]
   assert m["train/skipped_updates"] == 0
 
 

@@ -387,6 +387,53 @@ def test_branch_replays_the_prefix_and_samples_on(tok, model, sampler):
     engine.branch([(tasks[0], traj, 1)], 2)
 
 
+def test_branches_fork_the_kept_cache_and_compute_only_new_tokens(tok, model, sampler):
+  # 6 episodes on 4 slots: finished episodes' slots are reused during the
+  # run, so a continuation can only fork from the kept snapshot.
+  cfg = RolloutConfig(max_turns=4, max_action_tokens=8)
+  tasks = _tasks(3, steps=(5,))
+  points = lambda trajs: [(tasks[i // 2], trajs[i], t) for i in (0, 3, 5) for t in (0, 1, 3)]
+  prefixes = lambda trajs: [sum(len(s) for s in trajs[i].segments[:1 + 2 * t])
+                            for i in (0, 3, 5) for t in (0, 1, 3)]
+  conts, metrics = {}, {}
+  for keep in (True, False):
+    engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler, cfg)
+    trajs = engine.run(tasks, group_size=2, seed=0, policy_version=4,
+                       keep_caches=keep).trajectories
+    assert ("snapshot_id" in trajs[0].metadata) == keep
+    conts[keep] = engine.branch(points(trajs), 2, seed=1, temperature=0.0, policy_version=4)
+    metrics[keep] = m = engine.branch_metrics
+    assert m["continuations"] == 18 and m["forked"] == (18 if keep else 0)
+  # Greedy continuations are the same whether the prefix was forked or
+  # prefilled; the fork fed one token per continuation instead of its prefix.
+  for a, b in zip(conts[True], conts[False]):
+    assert [[s.token_ids for s in c.segments] for c in a] == [
+        [s.token_ids for s in c.segments] for c in b]
+    for ca, cb in zip(a, b):
+      for sa, sb in zip(ca.segments, cb.segments):
+        if sa.logprobs is not None:
+          np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-4)
+  saved = 2 * sum(n - 1 for n in prefixes(trajs))
+  assert metrics[False]["fed_tokens"] - metrics[True]["fed_tokens"] == saved > 0
+  assert metrics[True]["generated_tokens"] == metrics[False]["generated_tokens"]
+  # The forked keys/values are the prefix's: the trainer re-scores the new
+  # actions (and the replayed ones) exactly.
+  _assert_rescored(model, collate([c for cs in conts[True] for c in cs], buckets=(256,)))
+
+  # Snapshots of other weights are not forked; a branch drops them.
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler, cfg)
+  trajs = engine.run(tasks[:1], group_size=2, policy_version=0, keep_caches=True).trajectories
+  engine.branch([(tasks[0], trajs[0], 1)], 2, policy_version=1)
+  assert engine.branch_metrics["forked"] == 0
+  trajs = engine.run(tasks[:1], group_size=2, policy_version=1, keep_caches=True).trajectories
+  engine.branch([(tasks[0], trajs[0], 1)], 2, policy_version=1)
+  assert engine.branch_metrics["forked"] == 2
+  engine.branch([(tasks[0], trajs[0], 1)], 2, policy_version=1)
+  assert engine.branch_metrics["forked"] == 0
+  with pytest.raises(ValueError, match="keep_caches is for branching"):
+    engine.run(tasks[:1], keep_caches=True, token_budget=10)
+
+
 def test_the_state_of_every_turn_is_recorded_also_through_a_branch(tok, sampler):
   engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
                          RolloutConfig(max_turns=3, max_action_tokens=8))

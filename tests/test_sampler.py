@@ -98,6 +98,32 @@ def test_extend_equals_prefilling_the_concatenation(sampler):
   assert int(one.lengths[2]) == int(whole.lengths[2]) == 26
 
 
+def test_fork_restarts_a_slot_from_a_snapshot_prefix(sampler):
+  # An episode of 30 tokens in slot 0 is snapshot, its slot reused; slot 2
+  # forks at 21 tokens and is extended by the 22nd: the same next-token
+  # logits and greedy continuation as prefilling those 22 tokens.
+  prompt = list(range(1, 11))
+  state = sampler.prefill(sampler.init_state(), [0], [prompt])
+  state, actions = sampler.decode(state, [0], max_new_tokens=12, temperature=1.0)
+  state = sampler.extend(state, [0], [[40, 41, 42, 43, 44, 45, 46, 47]])
+  held = prompt + actions[0].tokens + [40, 41, 42, 43, 44, 45, 46, 47]
+  assert int(state.lengths[0]) == len(held) == 30
+  snap = sampler.snapshot(state, 0, 30)
+  assert snap.k[0].shape[1] == CACHE // 2  # the smallest window that holds 30
+  state = sampler.prefill(state, [0], [[7] * 50])  # the source slot is reused
+  state = sampler.fork(state, 2, snap, 21)
+  assert int(state.lengths[2]) == 21
+  state = sampler.extend(state, [2], [held[21:22]])
+  state = sampler.prefill(state, [3], [held[:22]])
+  np.testing.assert_allclose(state.next_logits[2], state.next_logits[3], atol=2e-5)
+  _, greedy = sampler.decode(state, [2, 3], max_new_tokens=10, temperature=0.0)
+  assert greedy[2].tokens == greedy[3].tokens
+  with pytest.raises(ValueError, match="fork length 31 outside"):
+    sampler.fork(state, 1, snap, 31)
+  with pytest.raises(ValueError, match="snapshot length 0 outside"):
+    sampler.snapshot(state, 1, 0)
+
+
 def _greedy(sampler, prompt, stops=(), n=10, slot=0):
   state = sampler.prefill(sampler.init_state(), [slot], [prompt])
   _, actions = sampler.decode(state, [slot], stop_sequences=stops,

@@ -26,6 +26,12 @@ decode faster (`benchmarks/sampler.py`). At most (log2 B + 1) x
 len(length_buckets) extend and (log2 B + 1) x len(attention_windows) decode
 programs are ever compiled; `compile_counts` counts traces per entry point.
 
+Forking (`snapshot`, `fork`): a device copy of a slot's cached prefix can
+restart another slot later at any length it holds, with no compute: a
+continuation from an intermediate state of an episode costs only its own
+new tokens (branching, `RolloutEngine.branch`). A snapshot keeps the
+smallest attention window that holds the slot's tokens.
+
 Log-probs: `decode` reports, per sampled token, `raw_logprobs` (the policy
 itself at temperature 1, no filtering: what `losses.token_logprobs`
 recomputes in the trainer, and what the trainer uses as old log-probs) and
@@ -65,6 +71,15 @@ class SamplerState:
   lengths: jax.Array  # [B] int32, tokens held in the cache per slot
   next_logits: jax.Array  # [B, V] float32, logits for each slot's next token
   rng: jax.Array  # PRNG key
+
+
+@flax.struct.dataclass
+class SlotSnapshot:
+  """A device copy of one slot's first `length` cached tokens (`Sampler.snapshot`)."""
+
+  k: tuple[jax.Array, ...]  # per layer [KV, W, D], W the window that holds `length`
+  v: tuple[jax.Array, ...]
+  length: int = flax.struct.field(pytree_node=False)  # tokens it holds
 
 
 @flax.struct.dataclass
@@ -121,7 +136,7 @@ class Sampler:
     self.compile_counts: collections.Counter = collections.Counter()
     if mesh is None:
       self.params, self._param_sharding, self._init_jit = params, None, None
-      extend_shardings = decode_shardings = {}
+      extend_shardings = decode_shardings = fork_shardings = {}
     else:
       ps = self._param_sharding = sharding.param_shardings(params, mesh)
       abstract = jax.eval_shape(self._new_state, 0)
@@ -134,12 +149,15 @@ class Sampler:
       self.params = sharding.shard(params, ps)
       extend_shardings = dict(in_shardings=(ps, ss) + (rep,) * 4, out_shardings=ss)
       decode_shardings = dict(in_shardings=(ps, ss) + (rep,) * 4, out_shardings=(ss, rep))
+      fork_shardings = dict(out_shardings=ss)
       # Built in its shards: the whole cache never sits on one device.
       self._init_jit = jax.jit(self._new_state, out_shardings=ss)
     # The state (and its cache) is donated: XLA updates it in place.
     self._extend_jit = jax.jit(self._extend_impl, donate_argnums=(1,), **extend_shardings)
     self._decode_jit = jax.jit(self._decode_impl, donate_argnums=(1,),
                                static_argnums=(6,), **decode_shardings)
+    self._snapshot_jit = jax.jit(_snapshot_impl, static_argnums=(2,))
+    self._fork_jit = jax.jit(_fork_impl, donate_argnums=(0,), **fork_shardings)
 
   def update_params(self, model_or_params) -> None:
     """Weight sync: the next call samples from these parameters.
@@ -242,6 +260,27 @@ class Sampler:
       state = self._extend_jit(self.params, state, slot_idx, tokens, n_new,
                                reset and start == 0)
     return state
+
+  def snapshot(self, state: SamplerState, slot: int, length: int) -> SlotSnapshot:
+    """A device copy of the first `length` tokens cached in `slot` (at most
+    what it holds; the host knows that), for `fork`. It costs the smallest
+    attention window that holds them, one slot's worth at most."""
+    self._check_slots([slot], 1)
+    if not 1 <= length <= self.cache_length:
+      raise ValueError(f"snapshot length {length} outside [1, {self.cache_length}]")
+    window = next(w for w in self.attention_windows if w >= length)
+    k, v = self._snapshot_jit(state.cache, np.int32(slot), window)
+    return SlotSnapshot(k=k, v=v, length=length)
+
+  def fork(self, state: SamplerState, slot: int, snapshot: SlotSnapshot,
+           length: int) -> SamplerState:
+    """`slot` restarts from the first `length` tokens of `snapshot` (a copy,
+    no compute). Its next-token logits are not set: `extend` it by at least
+    one token (e.g. the prefix's last, cut off `length`) before decoding."""
+    self._check_slots([slot], 1)
+    if not 0 <= length <= snapshot.length:
+      raise ValueError(f"fork length {length} outside the snapshot's [0, {snapshot.length}]")
+    return self._fork_jit(state, np.int32(slot), snapshot.k, snapshot.v, np.int32(length))
 
   def decode(self, state: SamplerState, slots: Sequence[int], *,
              stops: stops_lib.StopMatcher | None = None,
@@ -408,6 +447,19 @@ class Sampler:
         lengths=put(state.lengths, sub.lengths),
         next_logits=put(state.next_logits, sub.next_logits), rng=sub.rng)
     return state, out
+
+
+def _snapshot_impl(cache: KVCache, slot, window: int):
+  return (tuple(k[slot, :, :window] for k in cache.k),
+          tuple(v[slot, :, :window] for v in cache.v))
+
+
+def _fork_impl(state: SamplerState, slot, k, v, length) -> SamplerState:
+  put = lambda full, part: jax.lax.dynamic_update_slice(
+      full, part[None].astype(full.dtype), (slot, 0, 0, 0))
+  return state.replace(
+      cache=KVCache(k=tuple(map(put, state.cache.k, k)), v=tuple(map(put, state.cache.v, v))),
+      lengths=state.lengths.at[slot].set(length))
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,7 +12,8 @@ One `RLTrainer.iteration(tasks, it)`:
   3. credit assignment by name (`credit.assign`), with a value-head forward
      for "gae", and for "branching" `branch_size` continuations sampled from
      the state before every turn t >= 1 of every trajectory (a rollout cost
-     of about branch_size x mean turns extra episodes per trajectory; the
+     of about branch_size x mean turns extra episodes per trajectory, each
+     forking its episode's cached prefix: `RolloutEngine.branch`; the
      continuations only estimate values and are not trained on);
   4. optional filtering (`filter_zero_variance`): the rows of groups whose
      advantages are all exactly 0 are dropped (they only cost compute),
@@ -61,10 +62,12 @@ from agentrl_jax.trajectory import TokenBatch, Trajectory, bucket_length, collat
 
 # Rollout metrics that add up over processes, and those whose maximum counts.
 _SUMS = ("rollout/episodes", "rollout/env_steps", "rollout/branch_episodes",
-         "rollout/dropped_groups", "rollout/carried_episodes", "train/batch_tokens",
+         "rollout/sampler_fed_tokens", "rollout/branch_forked", "rollout/branch_fed_tokens",
+         "rollout/branch_generated_tokens", "rollout/dropped_groups",
+         "rollout/carried_episodes", "train/batch_tokens",
          *(f"rollout/ended/{r}" for r in STOP_REASONS))
 _MAXIMA = ("rollout/turns_max", "rollout/staleness_max", "rollout/env_wait_s",
-           "rollout/generation_s", "rollout/env_call_max_s",
+           "rollout/generation_s", "rollout/branch_generation_s", "rollout/env_call_max_s",
            "rollout/env_calls_abandoned")
 _ENV_FAULTS = (env_calls.ENV_ERROR, env_calls.ENV_TIMEOUT)
 
@@ -78,6 +81,10 @@ class RLConfig:
   lam: float = 0.95
   filter_zero_variance: bool = False
   branch_size: int = 2  # continuations per intermediate state ("branching")
+  # Continuations fork their episode's cached prefix (a device snapshot of
+  # one attention window per episode until the branches are taken); False:
+  # each re-prefills it (no snapshot memory).
+  fork_branches: bool = True
   # Partial rollouts: stop generating once an iteration sampled this many
   # tokens; unfinished episodes continue in the next iteration (re-prefilled
   # under the new weights; `staleness` per trajectory). None: every episode
@@ -165,6 +172,7 @@ class RLTrainer:
       raise ValueError(f"tasks_per_iteration={cfg.tasks_per_iteration} must divide by "
                        f"the {jax.process_count()} processes")
     self._credit = credit.scheme(cfg.credit)
+    self._keep_caches = self._credit.needs_branches and cfg.fork_branches
     if cfg.max_refill_tasks and jax.process_count() > 1:
       raise ValueError("max_refill_tasks (dynamic sampling) runs in one process only: the "
                        "processes would have to agree on every refill round")
@@ -206,7 +214,8 @@ class RLTrainer:
     seed = self.seed * 1_000_003 + it + 7919 * jax.process_index()
     result = self.engine.run(distributed.task_share(tasks), cfg.group_size,
                              policy_version=it, seed=seed % 2**31,
-                             token_budget=cfg.token_budget)
+                             token_budget=cfg.token_budget,
+                             keep_caches=self._keep_caches)
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
     trajs = self._trainable(result.trajectories, metrics)
     if cfg.token_budget is not None:
@@ -291,6 +300,10 @@ class RLTrainer:
             policy_version=it, seed=(self.seed * 1_000_003 + it + 500_009 + salt) % 2**31)
       metrics["rollout/branch_episodes"] = metrics.get("rollout/branch_episodes", 0.0) + episodes
       metrics["rollout/env_steps"] += steps
+      if trajs:
+        for k in ("forked", "fed_tokens", "generated_tokens", "generation_s"):
+          name = f"rollout/branch_{k}"
+          metrics[name] = metrics.get(name, 0.0) + self.engine.branch_metrics[k]
     if not trajs:
       return batch
     batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
@@ -317,7 +330,7 @@ class RLTrainer:
         break
       used, rounds = used + len(more), rounds + 1
       result = self.engine.run(more, cfg.group_size, policy_version=it, seed=(
-          self.seed * 1_000_003 + it + 104_729 * rounds) % 2**31)
+          self.seed * 1_000_003 + it + 104_729 * rounds) % 2**31, keep_caches=self._keep_caches)
       metrics["rollout/refill_episodes"] += len(result.trajectories)
       counts = {}  # the overlong metrics describe the first round's episodes
       new = self._trainable(result.trajectories, counts)

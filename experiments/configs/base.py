@@ -78,7 +78,7 @@ def get_config():
   c.rl = ml_collections.ConfigDict(dict(
       group_size=8, tasks_per_iteration=8, credit="grpo", gamma=1.0, lam=0.95,
       filter_zero_variance=False, branch_size=2, buckets=(128, 256, 512, 768),
-      max_bad_steps=5,
+      max_bad_steps=5, fork_branches=True,
       # DAPO: dynamic sampling's cap of extra tasks (needs filter_zero_variance)
       # and overlong shaping (see agentrl_jax/train/rl.py).
       max_refill_tasks=0, overlong_buffer=0, overlong_penalty=1.0, mask_truncated=False,
