@@ -34,7 +34,7 @@ from agentrl_jax.trajectory import collate, turn_arrays  # pylint: disable=wrong
 from configs import frozen_lake_turn_credit  # pylint: disable=wrong-import-position
 import train_agent  # pylint: disable=wrong-import-position
 
-SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "gae", "branching", "gigpo")
+SCHEMES = ("grpo", "drgrpo", "dapo", "rloo", "turn_returns", "gae", "branching", "gigpo")
 
 # Overrides of configs/frozen_lake_turn_credit.py per size.
 SIZES = {
@@ -55,9 +55,12 @@ SIZES = {
 
 
 def config(scheme: str, seed: int, size: str):
-  cfg = frozen_lake_turn_credit.get_config(scheme)
+  """The arm `scheme`: a credit scheme, or a named algorithm (`presets`)."""
   if scheme in presets.PRESETS:  # the arm is the named algorithm, not just its estimator
+    cfg = frozen_lake_turn_credit.get_config(presets.PRESETS[scheme].credit)
     cfg.algorithm = scheme
+  else:
+    cfg = frozen_lake_turn_credit.get_config(scheme)
   cfg.seed = seed
   cfg.model.value_head = True
   # Whole-cache decode, as when the committed notebook ran (see default.py).
@@ -295,7 +298,9 @@ def example_advantages(size: str, root, schemes=SCHEMES, *, seed: int = 0,
                                             gamma=cfg.rl.gamma, seed=seed + 1)
   records = []
   for scheme in schemes:
-    credited = credit.assign(scheme, trajs, batch, token_values=values,
+    # A named algorithm's arm credits with its estimator (dapo: grpo's).
+    estimator = presets.PRESETS[scheme].credit if scheme in presets.PRESETS else scheme
+    credited = credit.assign(estimator, trajs, batch, token_values=values,
                              branch_values=branch_values, **common)
     out[scheme] = _per_turn(credited, len(trajs), turns)
     records += [viewer.episode_record(t, engine.tok, iteration=0, phase="example",

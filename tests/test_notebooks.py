@@ -10,7 +10,7 @@ from agentrl_jax import viewer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "credit_assignment.ipynb"
-SCHEMES = ("grpo", "drgrpo", "rloo", "turn_returns", "gae", "branching", "gigpo",
+SCHEMES = ("grpo", "drgrpo", "dapo", "rloo", "turn_returns", "gae", "branching", "gigpo",
            "turn_rloo")  # the last one the notebook defines itself
 
 

@@ -41,6 +41,8 @@ def test_ablation_arms_are_the_named_algorithms():
   for scheme in credit_ablation.SCHEMES:
     cfg = credit_ablation.config(scheme, 0, "tiny")
     assert cfg.algorithm == (scheme if scheme in presets.PRESETS else "")
+    base.validate(cfg)
+  assert "dapo" in credit_ablation.SCHEMES  # dynamic sampling is an arm
   cfg = presets.apply(credit_ablation.config("drgrpo", 0, "tiny"), "drgrpo")
   assert cfg.loss.agg == "seq-mean-token-sum-norm" and cfg.loss.norm_constant > 0
 
