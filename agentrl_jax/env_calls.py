@@ -9,7 +9,8 @@ The rollout engine calls `reset`, `step` and `close` only through an
   and a fresh worker takes its place; whatever the call returns later is
   dropped. `close()` never waits on an abandoned thread.
 - Contract: `reset` returns `(str, dict)`; `step` returns a `StepResult`
-  with a str observation that encodes as UTF-8, a finite real reward, bool
+  with an observation (a str, or a list of strs: one per tool call) that
+  encodes as UTF-8, a finite real reward, bool
   flags and a dict info (with numeric `reward_parts`, if any). Anything
   else, and any exception, completes the future with `Failure(ENV_ERROR)`
   and the exception's text. A future never raises.
@@ -48,9 +49,13 @@ class ContractError(TypeError):
   """An environment returned something the contract does not allow."""
 
 
-def _observation(value: Any, what: str) -> str:
+def _observation(value: Any, what: str) -> str | tuple[str, ...]:
+  if isinstance(value, (list, tuple)) and what == "step":  # one text per tool call
+    return tuple(_observation(v, "step result") for v in value)
   if not isinstance(value, str):
-    raise ContractError(f"{what} observation must be a str, got {type(value).__name__}")
+    raise ContractError(f"{what} observation must be a str"
+                        f"{' or a list of strs' if what == 'step' else ''}, "
+                        f"got {type(value).__name__}")
   try:
     value.encode("utf-8")
   except UnicodeEncodeError as e:  # a lone surrogate: no token ids exist for it

@@ -67,7 +67,15 @@ them) or keeping `run`.
 
 Expert mode (`run(..., expert=True)`) replaces the sampler with the
 environment's scripted expert: its action text is encoded once and recorded
-without log-probs, through the same bookkeeping (for SFT warm starts).
+without log-probs, through the same bookkeeping (for SFT warm starts). An
+expert action that ends on no stop string gets the chat format's end of
+turn, the token a policy must write to end its turn.
+
+The environment's declarations (system prompt, stop strings, tool schemas:
+`envs.contract`) are checked when the engine is built; the tool schemas go
+into the prompt through the chat format, and an observation may be a list
+of texts (one per tool call). An episode succeeds when it terminated and
+its last step reported `info["success"]`.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -84,6 +93,7 @@ import numpy as np
 
 from agentrl_jax import env_calls
 from agentrl_jax import tokenizer as tok_lib
+from agentrl_jax.envs import contract
 from agentrl_jax.envs.base import Environment, StepResult, Task
 from agentrl_jax.sampling import STOP_SEQUENCE, Sampler
 from agentrl_jax.trajectory import Role, Segment, Trajectory
@@ -157,6 +167,7 @@ class _Episode:
   rewards_check: list = dataclasses.field(default_factory=list)  # recorded rewards
   tool_calls: int = 0
   tool_errors: int = 0
+  success: bool | None = None  # the last step's info["success"]
   env_time: float = 0.0
   terminated: bool = False
   truncated: bool = False
@@ -210,10 +221,16 @@ class RolloutEngine:
       raise ValueError(f"max_action_tokens {config.max_action_tokens} > sampler "
                        f"max_decode_length {sampler.max_decode_length}")
     probe = env_factory()
+    try:
+      spec = contract.check(probe)
+    finally:
+      probe.close()
+    self.env_name = spec.name
     self.system_prompt = (config.system_prompt if config.system_prompt is not None
-                          else getattr(probe, "system_prompt", ""))
-    self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
-    probe.close()
+                          else spec.system_prompt)
+    self.stop_strings, self.tools = spec.stop_strings, spec.tools
+    chat_format.system_text(self.system_prompt, self.tools)  # renders them, or raises
+    self._warned_success = False
     self.stops = chat_format.stop_matcher(
         tokenizer, extra=self.stop_strings,
         vocab_size=sampler.cfg.vocab_size if sampler is not None else None)
@@ -529,7 +546,8 @@ class RolloutEngine:
       raise ValueError(
           f"task {ep.task.task_id}: replaying the recorded actions gave a different "
           f"{what}; branching needs an environment that replays exactly")
-    prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, replayed.observation)
+    prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, replayed.observation,
+                                 self.tools)
     if tuple(prompt) != ep.replay[0].token_ids:
       mismatch("prompt")
     ep.state_keys = [replayed.state_key]
@@ -565,7 +583,7 @@ class RolloutEngine:
     if isinstance(result, tuple):  # reset -> (observation, info)
       ep.observation = result[0]
       ep.state_keys.append(result[1].get("state_key"))
-      prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0])
+      prompt = self.fmt.prompt_ids(self.tok, self.system_prompt, result[0], self.tools)
       ep.segments.append(Segment(Role.SYSTEM, prompt))
       if len(prompt) + 1 > self.max_context:  # no room for a single action
         ep.finish("context")
@@ -615,7 +633,11 @@ class RolloutEngine:
     ep.context_start = actions[-window]
     return True
 
-  def _clip_observation(self, text: str) -> str:
+  def _clip_observation(self, observation: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """Each text cut to the token budget (a list of tool results: each result)."""
+    if not isinstance(observation, str):
+      return tuple(map(self._clip_observation, observation))
+    text = observation
     budget = self.config.max_observation_tokens
     head = text[:budget * _CHARS_PER_TOKEN]
     ids = tok_lib.encode(self.tok, head)
@@ -671,11 +693,25 @@ class RolloutEngine:
              actions[ep.slot].stop_reason) for ep in ready]
 
   def _expert_actions(self, ready: list[_Episode]):
-    out = []
+    """The experts' actions; one that ends on no stop string gets the
+    format's end of turn, the token a policy must write to end it."""
+    out, stops = [], (*self.stop_strings, *self.fmt.stops)
+    closing = self.fmt.end_of_turn or (self.fmt.stops[0] if self.fmt.stops else "")
     for ep in ready:
-      ids = tok_lib.encode(self.tok, ep.expert(ep.observation))
-      out.append((ids, None, STOP_SEQUENCE))
+      text = ep.expert(ep.observation)
+      if not text.endswith(stops):
+        text += closing
+      out.append((tok_lib.encode(self.tok, text), None, STOP_SEQUENCE))
     return out
+
+  def _success(self, ep: _Episode) -> bool:
+    """It terminated and its last step said `info["success"]` (envs.contract)."""
+    if ep.terminated and ep.success is None and not self._warned_success:
+      self._warned_success = True
+      warnings.warn(f"environment {self.env_name} ended an episode without "
+                    "info['success']: its episodes count as failures (see "
+                    "agentrl_jax.envs.contract)", stacklevel=2)
+    return bool(ep.terminated and ep.success)
 
   @staticmethod
   def _failure(ep: _Episode) -> dict:
@@ -700,7 +736,7 @@ class RolloutEngine:
             "stop_reason": ep.stop_reason, "env_error": ep.error,
             # Policy versions between the oldest turn and the update it feeds.
             "staleness": (self._version - min(ep.versions)) if ep.versions else 0,
-            "success": bool(ep.terminated and ep.parts.get("outcome", 0.0) > 0),
+            "success": self._success(ep),
             # The state each action was taken in (GiGPO's anchors); None
             # where the environment reports no key.
             "state_keys": (ep.state_keys + [None] * n)[:n],
@@ -725,6 +761,7 @@ def _count_step(ep: _Episode, result: StepResult) -> None:
   ep.turn_parts.append(dict(result.info.get("reward_parts", {})))
   ep.tool_calls += bool(result.info.get("tool_call"))
   ep.tool_errors += bool(result.info.get("tool_error"))
+  ep.success = result.info.get("success")
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ stop strings always tokenize the same way.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 from typing import Iterable, Sequence
@@ -41,14 +42,20 @@ TOOL_TAGS = tuple(f"<{p}{t}>" for t in ("search", "answer", "calc", "python",
 
 def load_tokenizer(path: str | os.PathLike | None = None
                    ) -> transformers.PreTrainedTokenizerFast:
-  """A local HF tokenizer directory or tokenizer.json; None: the bundled one."""
+  """A local HF tokenizer directory or tokenizer.json; None: the bundled one.
+  A tokenizer.json with ChatML's <|im_end|> / <|endoftext|> gets them as its
+  EOS / padding token (the file itself names no roles)."""
   if path is None:
     return transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(BUNDLED_TOKENIZER), eos_token="<|im_end|>",
         pad_token="<|endoftext|>")
   path = pathlib.Path(path)
   if path.is_file():
-    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    # A bare tokenizer.json names no special-token roles: ChatML's, if it has them.
+    vocab = tokenizers.Tokenizer.from_file(str(path)).get_vocab()
+    roles = {k: v for k, v in (("eos_token", "<|im_end|>"), ("pad_token", "<|endoftext|>"))
+             if v in vocab}
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), **roles)
   if not path.is_dir():
     raise FileNotFoundError(f"no tokenizer at {path} (a local directory or "
                             "tokenizer.json file is expected)")
@@ -87,11 +94,22 @@ def qwen2_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *,
                         special_tokens: Sequence[str] = SPECIAL_TOKENS,
-                        added_tokens: Sequence[str] = TOOL_TAGS
-                        ) -> tokenizers.Tokenizer:
-  """Trains a byte-level BPE (lossless on any text) with atomic tags."""
+                        added_tokens: Sequence[str] = TOOL_TAGS,
+                        individual_digits: bool = False,
+                        merge_across_words: bool = False) -> tokenizers.Tokenizer:
+  """Trains a byte-level BPE (lossless on any text) with atomic tags.
+
+  individual_digits: every digit its own token, as in Qwen's vocabulary.
+  merge_across_words: merges may span spaces and punctuation, so a fixed
+    template (a system turn with tool schemas) becomes a few tokens: a tiny
+    model's vocabulary for one task.
+  """
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+      add_prefix_space=False, use_regex=not merge_across_words)
+  if individual_digits:
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
   tok.decoder = tokenizers.decoders.ByteLevel()
   trainer = tokenizers.trainers.BpeTrainer(
       vocab_size=vocab_size - len(added_tokens),
@@ -114,12 +132,16 @@ class ChatFormat:
 
   prompt: the first SYSTEM segment, ending with the assistant header.
   observation: wraps an environment observation and opens the next
-    assistant turn.
+    assistant turn. An observation is a str, or a list of strs (one per
+    tool call), each wrapped in `response` and joined with `separator`.
   end_of_turn: the string that closes an assistant turn (ChatML's
     <|im_end|>), or "" if turns are not closed. If an action stopped without
     it (at a tool tag or a token budget), the observation delta closes the
     turn first; those template tokens belong to the OBSERVATION segment.
   stops: strings that end an action; the model's stop tokens are part of it.
+  tools_block: appended to the system text when an environment declares
+    tools, with `{schemas}` replaced by one JSON line per schema (as the
+    model's own chat template renders them); "": this format renders none.
   """
 
   name: str
@@ -127,11 +149,27 @@ class ChatFormat:
   observation: str  # with {observation}
   end_of_turn: str
   stops: tuple[str, ...]
+  response: str = "{result}"
+  separator: str = "\n"
+  tools_block: str = ""
 
-  def prompt_ids(self, tok, system: str, task: str) -> list[int]:
-    return encode(tok, self.prompt.format(system=system, task=task))
+  def system_text(self, system: str, tools: Sequence[dict] = ()) -> str:
+    """The system turn's text: `system`, then the tools' block if any."""
+    if not tools:
+      return system
+    if not self.tools_block:
+      raise ValueError(f"chat format {self.name!r} does not render tool schemas; use one "
+                       f"that does: {sorted(n for n, f in FORMATS.items() if f.tools_block)}")
+    schemas = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return system + self.tools_block.replace("{schemas}", schemas)
 
-  def observation_ids(self, tok, observation: str,
+  def prompt_text(self, system: str, task: str, tools: Sequence[dict] = ()) -> str:
+    return self.prompt.format(system=self.system_text(system, tools), task=task)
+
+  def prompt_ids(self, tok, system: str, task: str, tools: Sequence[dict] = ()) -> list[int]:
+    return encode(tok, self.prompt_text(system, task, tools))
+
+  def observation_ids(self, tok, observation: str | Sequence[str],
                       action_ids: Sequence[int]) -> list[int]:
     """Delta after an action: close the turn if needed, wrap, reopen."""
     return encode(tok, self._observation_text(observation,
@@ -157,9 +195,9 @@ class ChatFormat:
     return StopMatcher.from_strings(tok, strings, stop_ids, vocab_size=vocab_size)
 
   def render(self, system: str, task: str, actions: Sequence[str],
-             observations: Sequence[str]) -> str:
+             observations: Sequence[str | Sequence[str]], tools: Sequence[dict] = ()) -> str:
     """The whole conversation as text (for display and the prefix check only)."""
-    text = self.prompt.format(system=system, task=task)
+    text = self.prompt_text(system, task, tools)
     for i, action in enumerate(actions):
       text += action
       if i < len(observations):
@@ -173,18 +211,32 @@ class ChatFormat:
     eot = encode(tok, self.end_of_turn)
     return list(action_ids[-len(eot):]) == eot
 
-  def _observation_text(self, observation: str, closed: bool) -> str:
+  def _observation_text(self, observation: str | Sequence[str], closed: bool) -> str:
+    results = [observation] if isinstance(observation, str) else list(observation)
+    body = self.separator.join(self.response.replace("{result}", r) for r in results)
     opener = "" if closed else self.end_of_turn
-    return opener + self.observation.format(observation=observation)
+    return opener + self.observation.replace("{observation}", body)
 
 
 CHATML = ChatFormat(
     name="chatml",
     prompt=("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{task}"
             "<|im_end|>\n<|im_start|>assistant\n"),
-    observation=("\n<|im_start|>user\n<tool_response>\n{observation}\n"
-                 "</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    observation="\n<|im_start|>user{observation}<|im_end|>\n<|im_start|>assistant\n",
+    response="\n<tool_response>\n{result}\n</tool_response>", separator="",
     end_of_turn="<|im_end|>", stops=("<|im_end|>",))
+
+# Qwen2.5-Instruct's own template (tests/data/qwen2_5_chat_template.jinja):
+# ChatML, the tools' schemas in the system turn, and each tool result in a
+# <tool_response> block of one user turn.
+QWEN25 = dataclasses.replace(
+    CHATML, name="qwen2.5",
+    tools_block=("\n\n# Tools\n\nYou may call one or more functions to assist with the "
+                 "user query.\n\nYou are provided with function signatures within "
+                 "<tools></tools> XML tags:\n<tools>{schemas}\n</tools>\n\nFor each "
+                 "function call, return a json object with function name and arguments "
+                 "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+                 "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>"))
 
 REACT = ChatFormat(
     name="react",
@@ -192,7 +244,7 @@ REACT = ChatFormat(
     observation="\n<observation>{observation}</observation>\n",
     end_of_turn="", stops=("<|im_end|>",))
 
-FORMATS = {f.name: f for f in (CHATML, REACT)}
+FORMATS = {f.name: f for f in (CHATML, QWEN25, REACT)}
 
 
 def get_format(name: str) -> ChatFormat:
@@ -213,7 +265,8 @@ class PrefixCheck:
 
 def check_prefix_preserving(tok, fmt: ChatFormat, system: str, task: str,
                             actions: Sequence[str],
-                            observations: Sequence[str]) -> PrefixCheck:
+                            observations: Sequence[str | Sequence[str]],
+                            tools: Sequence[dict] = ()) -> PrefixCheck:
   """Does encoding the rendered text reproduce the delta-built ids?
 
   For each turn t, encodes the text of the conversation up to and including
@@ -222,13 +275,13 @@ def check_prefix_preserving(tok, fmt: ChatFormat, system: str, task: str,
   observation delta). A mismatch means text-level re-tokenization drifts from
   what the policy was trained on; the first one is reported with context.
   """
-  ids = fmt.prompt_ids(tok, system, task)
+  ids = fmt.prompt_ids(tok, system, task, tools)
   for t, action in enumerate(actions):
     action_ids = encode(tok, action)
     ids = ids + action_ids
     if t < len(observations):
       ids = ids + fmt.observation_ids(tok, observations[t], action_ids)
-    text = fmt.render(system, task, actions[:t + 1], observations[:t + 1])
+    text = fmt.render(system, task, actions[:t + 1], observations[:t + 1], tools)
     whole = encode(tok, text)
     if whole != ids:
       pos = next((i for i, (a, b) in enumerate(zip(whole, ids)) if a != b),

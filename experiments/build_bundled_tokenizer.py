@@ -18,7 +18,9 @@ EPISODES_PER_ENV = 120
 
 
 def corpus_lines(episodes: int = EPISODES_PER_ENV):
-  for fmt in tok_lib.FORMATS.values():
+  # The formats the bundled vocabulary was built with (qwen2.5 renders as
+  # chatml without tools).
+  for fmt in (tok_lib.CHATML, tok_lib.REACT):
     yield fmt.render("You are an agent.", "Task.", ["<answer>1</answer><|im_end|>"], ["2"])
   for name in ("search_qa", "calculator", "frozen_lake"):
     cls = envs.env_class(name)

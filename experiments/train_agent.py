@@ -99,6 +99,17 @@ def build(cfg, mesh=None):
   if max(cfg.rl.buckets) < cfg.sampler.cache_length:
     raise ValueError(f"the largest rl.buckets entry ({max(cfg.rl.buckets)}) must hold a "
                      f"full episode (sampler.cache_length={cfg.sampler.cache_length})")
+  # The environment's contract first: a missing piece fails before any work.
+  make_env = envs.env_class(cfg.env.name)
+  probe = make_env(**cfg.env.kwargs)
+  try:
+    envs.check(probe, need_tasks=True, need_expert=cfg.sft.steps > 0)
+    train_tasks = probe.tasks("train", cfg.env.num_train_tasks, cfg.seed,
+                              **cfg.env.task_kwargs)
+    eval_tasks = probe.tasks("test", cfg.env.num_eval_tasks, cfg.seed,
+                             **cfg.env.task_kwargs)
+  finally:
+    probe.close()
   tok = tok_lib.load_tokenizer(cfg.model.tokenizer or None)
   model = build_model(cfg)
   sampler = Sampler(model, num_slots=cfg.sampler.num_slots,
@@ -107,14 +118,9 @@ def build(cfg, mesh=None):
                     length_buckets=tuple(cfg.sampler.length_buckets),
                     attention_windows=tuple(cfg.sampler.attention_windows) or None,
                     mesh=mesh)
-  env_cls = envs.env_class(cfg.env.name)
   engine = RolloutEngine(
-      lambda: env_cls(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format),
+      lambda: make_env(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format),
       sampler, RolloutConfig(**cfg.rollout), seed=cfg.seed)
-  train_tasks = env_cls.tasks("train", cfg.env.num_train_tasks, cfg.seed,
-                              **cfg.env.task_kwargs)
-  eval_tasks = env_cls.tasks("test", cfg.env.num_eval_tasks, cfg.seed,
-                             **cfg.env.task_kwargs)
   return model, sampler, engine, train_tasks, eval_tasks
 
 
@@ -288,7 +294,7 @@ def main(argv):
   del argv
   try:
     run(_CONFIG.value, _WORKDIR.value)
-  except config_base.ConfigError as e:
+  except (config_base.ConfigError, envs.ContractError) as e:
     raise app.UsageError(str(e)) from None
 
 

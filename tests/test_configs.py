@@ -13,16 +13,19 @@ import pytest
 from agentrl_jax import models
 from agentrl_jax.train import credit
 from agentrl_jax import tokenizer as T
+from agentrl_jax import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 from configs import (base, calculator, default,  # pylint: disable=wrong-import-position
-                     frozen_lake_turn_credit, python_tool, qwen_tpu, search_qa)
+                     frozen_lake_turn_credit, python_tool, qwen_tpu, search_qa,
+                     tools_example)
 import train_agent  # pylint: disable=wrong-import-position
 
 CONFIGS = {
     "default": default.get_config, "calculator": calculator.get_config,
     "search_qa": search_qa.get_config, "python_tool": python_tool.get_config,
+    "tools_example": tools_example.get_config,
     **{f"frozen_lake_turn_credit:{s}": (lambda s=s: frozen_lake_turn_credit.get_config(s))
        for s in ("turn_returns", "turn_grpo", "gae", "branching", "gigpo")},
 }
@@ -47,7 +50,8 @@ def test_config_builds(name):
 def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_tokenizer):
   """A reduced-depth random Qwen2 with the real 151,665-token vocabulary and
   the Qwen2.5 tokenizer stands in for Qwen2.5-0.5B-Instruct: the Qwen config
-  loads both from the checkpoint directory and runs RL on search_qa."""
+  loads both from the checkpoint directory and runs RL on search_qa with a
+  JSON search tool in Qwen2.5's own format."""
   vocab = len(qwen_tokenizer)
   assert vocab == 151_665
   models.save_pretrained(models.Decoder(
@@ -71,11 +75,13 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     node[leaf] = value
   model, _, engine, _, _ = train_agent.build(cfg)
   assert model.cfg.arch == "qwen2" and str(model.cfg.dtype) == "bfloat16"
-  assert len(engine.tok) == vocab and engine.fmt is T.CHATML
-  text = "<search>Vorland capital</search>\n"
-  assert T.encode(engine.tok, text) == T.encode(qwen_tokenizer, text)
-  # "</search>\n" ends in Qwen's ">\n" token: the engine's matcher stops there.
+  assert len(engine.tok) == vocab and engine.fmt is T.QWEN25
+  assert [s["function"]["name"] for s in engine.tools] == ["search"]
+  text = tools.render_call("search", {"query": "Vorland"}) + "<|im_end|>"
   ids = T.encode(engine.tok, text)
+  assert ids == T.encode(qwen_tokenizer, text)
+  # <tool_call> is one of Qwen's tokens; the turn ends at <|im_end|>, after the call.
+  assert engine.tok.convert_ids_to_tokens(ids[0]) == "<tool_call>"
   assert engine.stops.scan(ids) == len(ids) - 1
   engine.close()
   summary = train_agent.run(cfg, tmp_path / "run")
@@ -106,7 +112,7 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("loss.agg", "mean", "loss.agg = 'mean' must be one of ('token-mean',"),
     ("loss.kl_kind", "k4", "loss.kl_kind = 'k4' must be one of ('k1',"),
     ("loss.is_correction", "is", "loss.is_correction = 'is' must be one of ('none',"),
-    ("env.name", "chess", "env.name = 'chess' must be a registered environment"),
+    ("env.name", "chess", "env.name = 'chess' does not load: unknown environment 'chess'"),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):
   cfg = default.get_config()

@@ -96,7 +96,7 @@ def test_seed_style_adapter():
 
   env = SeedStyle(Seed())
   assert env.reset(TASKS[0]) == ("start", {})
-  assert env.step("a") == StepResult("obs1", 0.5, False, False, {})
+  assert env.step("a") == StepResult("obs1", 0.5, False, False, {"success": False})
   r = env.step("crash")
   assert r.observation == "Error: KeyError: 'x'" and not r.terminated
   assert env.step("b").terminated
@@ -131,7 +131,8 @@ def test_from_gymnasium_frozen_lake_with_a_parser():
 
 
 def test_registry():
-  assert envs.registered() == ("calculator", "frozen_lake", "python_tool", "search_qa")
+  assert envs.registered() == ("calculator", "frozen_lake", "python_tool", "search_qa",
+                               "search_qa_tools")
   envs.register("guess_test", Guess)
   try:
     a, b = envs.make("guess_test"), envs.make("guess_test")

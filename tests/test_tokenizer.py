@@ -131,7 +131,7 @@ def test_load_local_hf_tokenizer(tok, tmp_path):
 
 
 def test_unknown_format_lists_known():
-  with pytest.raises(ValueError, match=r"known: \['chatml', 'react'\]"):
+  with pytest.raises(ValueError, match=r"known: \['chatml', 'qwen2.5', 'react'\]"):
     T.get_format("llama2")
 
 
@@ -144,3 +144,106 @@ def test_no_pytorch_advice_at_import():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=env, timeout=120, check=True)
   assert "ADVICE" not in out.stderr + out.stdout
+
+
+# -- Qwen2.5's own template, with tools ----------------------------------------------
+
+QWEN_TEMPLATE = (pathlib.Path(__file__).parent / "data" / "qwen2_5_chat_template.jinja").read_text()
+TOOL_SCHEMAS = [
+    {"type": "function", "function": {
+        "name": "stock", "description": "Units in stock.",
+        "parameters": {"type": "object", "properties": {
+            "warehouse": {"type": "string", "description": "Its code, e.g. W42."},
+            "item": {"type": "string", "enum": ["bolts", "nuts"], "description": "Which."}},
+            "required": ["warehouse", "item"]}}},
+    {"type": "function", "function": {
+        "name": "price", "description": "Prix d'un article, en euros.",  # non-ASCII kept
+        "parameters": {"type": "object", "properties": {
+            "item": {"type": "string", "description": "L'article."}}, "required": ["item"]}}}]
+# Three turns: two parallel calls, one call, then the answer.
+TOOL_TURNS = [
+    ([("stock", {"warehouse": "W42", "item": "bolts"}), ("price", {"item": "écrou"})],
+     ["318", '{"eur": 0.25, "note": "prix été"}']),
+    ([("stock", {"warehouse": "W17", "item": "nuts"})], ["97"]),
+]
+
+
+def _tool_messages(system, task, turns, answer):
+  messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+  for calls, results in turns:
+    messages.append({"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]})
+    messages += [{"role": "tool", "content": r} for r in results]
+  if answer is not None:
+    messages.append({"role": "assistant", "content": answer})
+  return messages
+
+
+def _tool_actions(turns, answer):
+  from agentrl_jax import tools  # pylint: disable=import-outside-toplevel
+  actions = ["\n".join(tools.render_call(n, a) for n, a in calls) + "<|im_end|>"
+             for calls, _ in turns]
+  return actions + [answer + "<|im_end|>"]
+
+
+def test_qwen25_renders_tools_as_its_own_template(qwen_tokenizer):
+  actions = _tool_actions(TOOL_TURNS, "351 bolts and nuts.")
+  observations = [results for _, results in TOOL_TURNS]
+  fmt = T.get_format("qwen2.5")
+  # Ending on the generation prompt after each turn's tool results.
+  for t in range(1, len(TOOL_TURNS) + 1):
+    reference = qwen_tokenizer.apply_chat_template(
+        _tool_messages(SYSTEM, TASK, TOOL_TURNS[:t], None), tools=TOOL_SCHEMAS,
+        chat_template=QWEN_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    ours = fmt.render(SYSTEM, TASK, actions[:t], observations[:t], tools=TOOL_SCHEMAS)
+    assert ours == reference
+  # The whole conversation, answer included (the template adds a newline after it).
+  messages = _tool_messages(SYSTEM, TASK, TOOL_TURNS, "351 bolts and nuts.")
+  reference = qwen_tokenizer.apply_chat_template(
+      messages, tools=TOOL_SCHEMAS, chat_template=QWEN_TEMPLATE, tokenize=False)
+  ours = fmt.render(SYSTEM, TASK, actions, observations, tools=TOOL_SCHEMAS)
+  assert ours + "\n" == reference
+  # Same ids: the delta-built conversation is what the template tokenizes to.
+  ids = fmt.prompt_ids(qwen_tokenizer, SYSTEM, TASK, TOOL_SCHEMAS)
+  for t, action in enumerate(actions):
+    action_ids = T.encode(qwen_tokenizer, action)
+    ids += action_ids
+    if t < len(observations):
+      ids += fmt.observation_ids(qwen_tokenizer, observations[t], action_ids)
+  reference_ids = qwen_tokenizer.apply_chat_template(
+      messages, tools=TOOL_SCHEMAS, chat_template=QWEN_TEMPLATE, tokenize=True,
+      return_dict=True)["input_ids"]
+  assert ids + T.encode(qwen_tokenizer, "\n") == list(reference_ids)
+  assert T.check_prefix_preserving(qwen_tokenizer, fmt, SYSTEM, TASK, actions, observations,
+                                   TOOL_SCHEMAS).ok
+  # <tool_call> is one of Qwen's added tokens: the call is spelt with it.
+  assert T.encode(qwen_tokenizer, actions[1])[0] == qwen_tokenizer.convert_tokens_to_ids(
+      "<tool_call>")
+
+
+def test_chatml_is_qwen25_without_tools(tok):
+  observation = ["a", "b"]
+  for fmt in (T.CHATML, T.get_format("qwen2.5")):
+    assert fmt.observation_ids(tok, "x", T.encode(tok, "y<|im_end|>")) == T.encode(
+        tok, "\n<|im_start|>user\n<tool_response>\nx\n</tool_response><|im_end|>\n"
+             "<|im_start|>assistant\n")
+  assert T.CHATML.render("s", "t", ["y"], [observation]) == T.get_format("qwen2.5").render(
+      "s", "t", ["y"], [observation])
+  with pytest.raises(ValueError, match="does not render tool schemas; use one that does: "
+                                       r"\['qwen2.5'\]"):
+    T.CHATML.prompt_ids(tok, "s", "t", tools=TOOL_SCHEMAS)
+  assert T.REACT.render("s", "t", ["y"], [observation]) == (
+      "s\n\nTask: t\ny\n<observation>a\nb</observation>\n")
+
+
+def test_example_tokenizer_is_what_its_script_makes(tmp_path):
+  """experiments/configs/warehouse_tools.py writes the example's tasks and vocabulary."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments/configs"))
+  import warehouse_tools  # pylint: disable=import-outside-toplevel
+  rows = "".join(json.dumps(r) + "\n" for r in warehouse_tools.all_tasks())
+  assert warehouse_tools.TASKS_FILE.read_text() == rows
+  warehouse_tools.build_tokenizer().save(str(tmp_path / "tok.json"))
+  assert json.loads((tmp_path / "tok.json").read_text()) == json.loads(
+      warehouse_tools.TOKENIZER_FILE.read_text())
+  tok = T.load_tokenizer(warehouse_tools.TOKENIZER_FILE)
+  assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")

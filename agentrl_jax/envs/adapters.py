@@ -75,8 +75,9 @@ class SeedStyle:
   `terminated`; wrap in `TurnBudget` to get truncation.
   """
 
-  def __init__(self, env):
+  def __init__(self, env, *, system_prompt: str = "", stop_strings: Sequence[str] = ()):
     self.env = env
+    self.system_prompt, self.stop_strings = system_prompt, tuple(stop_strings)
 
   def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
     return self.env.reset(task), {}
@@ -86,7 +87,9 @@ class SeedStyle:
       observation, reward, done = self.env.step(action)
     except Exception as e:  # pylint: disable=broad-except
       return _error_result(e)
-    return StepResult(str(observation), float(reward), bool(done), False, {})
+    # Success (envs.contract): ended with a positive reward.
+    return StepResult(str(observation), float(reward), bool(done), False,
+                      {"success": bool(done) and float(reward) > 0})
 
   def close(self) -> None:
     getattr(self.env, "close", lambda: None)()
@@ -163,8 +166,9 @@ class FromGymnasium:
       obs, reward, terminated, truncated, info = self.gym_env.step(self.parse(action))
     except Exception as e:  # pylint: disable=broad-except
       return _error_result(e)
-    return StepResult(self.render(obs), float(np.asarray(reward)), bool(terminated),
-                      bool(truncated), dict(info))
+    reward = float(np.asarray(reward))
+    return StepResult(self.render(obs), reward, bool(terminated), bool(truncated),
+                      {"success": bool(terminated) and reward > 0, **info})
 
   def close(self) -> None:
     self.gym_env.close()

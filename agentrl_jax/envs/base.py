@@ -84,7 +84,7 @@ def tool_call(action: str) -> tuple[str, str] | None:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-  observation: str
+  observation: str | Sequence[str]  # a list: one result per tool call
   reward: float
   terminated: bool
   truncated: bool
@@ -148,7 +148,9 @@ class TextEnvironment(abc.ABC):
   `system_prompt` and `stop_strings` (the tool tags that end an action; the
   rollout adds them to the sampler's stops). This class turns any
   exception in `_step` into an observation with the format penalty, sums
-  the reward parts and counts turns.
+  the reward parts, counts turns and reports `info["success"]` (terminated
+  with a positive outcome part, unless `_step`'s info says otherwise).
+  The full contract: `agentrl_jax.envs.contract`.
 
   Classmethods every bundled environment provides: `tasks(split, n, seed)`
   (splits "train" and "test" are disjoint) and `expert(task) -> Expert`.
@@ -156,6 +158,7 @@ class TextEnvironment(abc.ABC):
 
   system_prompt: str = ""
   stop_strings: tuple[str, ...] = ()
+  tools: tuple[dict, ...] = ()  # JSON schemas the chat format renders
 
   def __init__(self, *, format_penalty: float = 0.0, step_cost: float = 0.0):
     self.format_penalty = format_penalty
@@ -188,8 +191,9 @@ class TextEnvironment(abc.ABC):
     parts = dict(parts)
     parts["cost"] = parts.get("cost", 0.0) - self.step_cost
     parts = reward_parts(**parts)
-    info = {"tool_call": False, "tool_error": False, **info, "reward_parts": parts,
-            "turn": self.turns}
+    info = {"tool_call": False, "tool_error": False,
+            "success": bool(terminated) and parts["outcome"] > 0, **info,
+            "reward_parts": parts, "turn": self.turns}
     self.ended = bool(terminated)
     return StepResult(observation, sum(parts.values()), self.ended, False,
                       self._with_key(info, observation))

@@ -11,6 +11,11 @@ passage per person and per city.
 Rewards: outcome 1.0 for an exact match after normalisation (not containment,
 which rewards listing candidates); process `process_bonus` the first time a
 search retrieves each passage the answer needs.
+
+`search_tool_env()` ("search_qa_tools" in the registry) is the same task
+with `search` as a JSON tool (`envs.ToolEnv`), for the `qwen2.5` chat
+format: the calling convention Qwen2.5-Instruct already knows. Its answer
+is a turn without a call; it has no process bonus.
 """
 
 from __future__ import annotations
@@ -245,13 +250,60 @@ class SearchQAEnv(TextEnvironment):
     if not words:
       return ("Error: empty search query.", {"format": -self.format_penalty}, False,
               {"tool_call": True, "tool_error": True})
-    corpus = _corpus()
-    scores = corpus.bm25.get_scores(words)
-    ids = [int(i) for i in np.argsort(-scores, kind="stable")[:self.top_k] if scores[i] > 0]
+    ids = _retrieve(words, self.top_k)
     if not ids:
       return "No results.", {}, False, {"tool_call": True, "retrieved": []}
     hits = (set(ids) & set(self.task.data["gold_passages"])) - self._credited
     self._credited |= hits
-    observation = "\n".join(f"[{rank}] {corpus.passages[i]}" for rank, i in enumerate(ids, 1))
-    return (observation, {"process": self.process_bonus * len(hits)}, False,
+    return (_numbered(ids), {"process": self.process_bonus * len(hits)}, False,
             {"tool_call": True, "retrieved": ids, "gold_hits": len(hits)})
+
+
+def _retrieve(words: list[str], top_k: int) -> list[int]:
+  """The ids of the `top_k` passages BM25 scores above 0, best first."""
+  scores = _corpus().bm25.get_scores(words)
+  return [int(i) for i in np.argsort(-scores, kind="stable")[:top_k] if scores[i] > 0]
+
+
+def _numbered(ids: list[int]) -> str:
+  return "\n".join(f"[{rank}] {_corpus().passages[i]}" for rank, i in enumerate(ids, 1))
+
+
+def search(query: str) -> str:
+  """Searches an encyclopedia of fictional people and places.
+
+  Args:
+    query: Words to look for, e.g. a person's or a city's name.
+  """
+  words = _tokenize(query)[:32]
+  if not words:
+    raise ValueError("empty search query")
+  return _numbered(_retrieve(words, 3)) or "No results."
+
+
+def _json_expert(task: Task) -> Expert:
+  """SearchQAEnv's expert, calling `search` with JSON and answering plainly."""
+  from agentrl_jax import tools  # pylint: disable=import-outside-toplevel
+  person, relation = task.data["person"], task.data["relation"]
+
+  def policy():
+    (observation,) = yield tools.render_call("search", {"query": person})
+    if relation == "born_country":
+      city = _fact(observation, person, _PHRASES["born"])
+      (observation,) = yield tools.render_call("search", {"query": city})
+      yield _fact(observation, city, "is a city in")
+    else:
+      yield _fact(observation, person, _PHRASES[relation])
+
+  return _GeneratorExpert(policy())
+
+
+def search_tool_env(**kwargs):
+  """SearchQA with `search` as a JSON tool (a `ToolEnv`); kwargs go to it."""
+  from agentrl_jax.envs.tool_env import ToolEnv  # pylint: disable=import-outside-toplevel
+  return ToolEnv(
+      tools=[search], reward_fn=lambda task, answer: float(exact_match(answer, task.data["answer"])),
+      tasks=SearchQAEnv.tasks, expert=_json_expert,
+      system_prompt=("Answer the question by searching an encyclopedia of fictional people "
+                     "and places. When you know the answer, reply with only the answer."),
+      **kwargs)

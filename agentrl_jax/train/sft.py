@@ -33,7 +33,9 @@ def distill(step: SFTStep, state: TrainState, demos: Sequence[Trajectory], *,
             on_step: Callable[[int, dict], None] | None = None) -> TrainState:
   """`steps` SFT updates on minibatches drawn (seeded) from the demos."""
   if len(demos) < batch_size:
-    raise ValueError(f"{len(demos)} expert demos < batch size {batch_size}")
+    raise ValueError(f"{len(demos)} successful expert demos < batch size {batch_size} (a "
+                     "demo counts when its episode terminated and its last step "
+                     "reported info['success'] True: agentrl_jax.envs.contract)")
   rng = np.random.default_rng(seed)
   order: list[int] = []
   for i in range(steps):

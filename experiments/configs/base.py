@@ -93,6 +93,7 @@ class ConfigError(ValueError):
 
 def validate(cfg) -> None:
   """Raises ConfigError naming each field no run could use."""
+  env_problem = _env_problem(cfg.env.name)
   rules = [
       ("iterations", cfg.iterations >= 0, "must be >= 0"),
       ("eval_every", cfg.eval_every >= 1, "must be >= 1"),
@@ -118,12 +119,20 @@ def validate(cfg) -> None:
        f"must be one of {losses.KL_KINDS}"),
       ("loss.is_correction", cfg.loss.is_correction in step.IS_CORRECTIONS,
        f"must be one of {step.IS_CORRECTIONS}"),
-      ("env.name", cfg.env.name in envs.registered(),
-       f"must be a registered environment: {envs.registered()}"),
+      ("env.name", env_problem is None, f"does not load: {env_problem}"),
   ]
   bad = [f"{name} = {_get(cfg, name)!r} {why}" for name, ok, why in rules if not ok]
   if bad:
     raise ConfigError("invalid config: " + "; ".join(bad))
+
+
+def _env_problem(env_name: str) -> str | None:
+  """Why `env_name` names no environment, or None."""
+  try:
+    envs.env_class(env_name)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def _get(cfg, name: str):

@@ -7,10 +7,12 @@
 The string after ':' is the local checkpoint directory (config.json,
 *.safetensors and the tokenizer files, e.g. from `huggingface-cli download
 Qwen/Qwen2.5-0.5B-Instruct --local-dir /models/Qwen2.5-0.5B-Instruct` on a
-machine with network). The tokenizer is the checkpoint's own and the chat
-format is ChatML, which is Qwen's. It runs on one device as is; over a TPU
-slice or several GPUs add a mesh, e.g. `--config.mesh.fsdp=4` (README,
-"Sharding"; `agentrl_jax.sharding`). Not run yet: no checkpoint or accelerator was
+machine with network). The tokenizer is the checkpoint's own. The task is
+SearchQA with `search` as a JSON tool ("search_qa_tools") in the `qwen2.5`
+chat format: the tool's schema in the system turn and `<tool_call>` JSON, as
+Qwen2.5-Instruct was trained to call tools. It runs on one device as is;
+over a TPU slice or several GPUs add a mesh, e.g. `--config.mesh.fsdp=4`
+(README, "Your own model and a TPU"; `agentrl_jax.sharding`). Not run yet: no checkpoint or accelerator was
 available where this config was written, so it states no expected result.
 """
 
@@ -26,7 +28,9 @@ def get_config(model_dir="/models/Qwen2.5-0.5B-Instruct"):
   c.model.path = model_dir
   c.model.tokenizer = model_dir
   c.model.dtype = "bfloat16"
-  c.env.chat_format = "chatml"
+  c.env.name = "search_qa_tools"
+  c.env.kwargs = {}
+  c.env.chat_format = "qwen2.5"
   c.rollout.system_prompt = None  # the environment's full instructions
   c.rollout.max_action_tokens = 256
   c.sampler.num_slots = 128
