@@ -273,7 +273,10 @@ def gigpo_advantages(rewards: jax.Array, group_ids: jax.Array,
   taken from the same environment state (an anchor state), with the same
   scale. A step group of one turn has no baseline and gets A^S = 0, as a
   singleton task group gets A^E = 0 (verl-agent's code instead gives it its
-  raw return, mean 0 and std 1). omega = 0 is GRPO.
+  raw return, mean 0 and std 1). omega = 0 is GRPO. A^E's mean and std run
+  over the group's trajectories, as the paper's eq. 3 has them; verl-agent
+  takes them over its step rows by default (`compute_mean_std_cross_steps`),
+  which weighs each trajectory by its number of turns.
 
   Args:
     rewards: [N] episode returns. group_ids: [N] int task groups.

@@ -174,8 +174,8 @@ def aggregation_weights(loss_mask: jax.Array, mode: str, *,
                         seq_ids: jax.Array | None = None) -> jax.Array:
   """Per-token weights w with `aggregate_loss(x, loss_mask, mode) = sum_i w_i x_i`.
 
-  With m the loss mask, S the set of sequences with at least one action
-  token, n_s the action-token count of sequence s and C the constant:
+  With m the loss mask, S the set of the batch's sequences, n_s the
+  action-token count of sequence s and C the constant:
 
   - "token-mean": w_i = m_i / sum_j m_j. Every action token weighs the same,
     so long trajectories weigh more (DAPO, Yu et al. 2025; veRL's default).
@@ -190,16 +190,20 @@ def aggregation_weights(loss_mask: jax.Array, mode: str, *,
 
   A sequence is a row, or with `seq_ids` every token of one seq id (packed
   rows; the views of a sliding-window trajectory, which share a seq id, are
-  one sequence). Weights computed on a whole batch make gradient
-  accumulation exact: summing `w * x` over any split of the rows into
-  micro-batches gives the full-batch loss (`train.step`).
+  one sequence); padding (seq id -1) is none. |S| counts the sequences with
+  no action token too (an episode `mask_truncated` zeroed, one with no
+  turn): they add 0 rather than re-weighting the others, so the scale of
+  the loss does not follow how many were masked (TRL divides by every row
+  as well). Weights computed on a whole batch make gradient accumulation
+  exact: summing `w * x` over any split of the rows into micro-batches gives
+  the full-batch loss (`train.step`).
 
   Args:
     loss_mask: [B, L] 1 on action tokens.
     mode: one of LOSS_AGG_MODES.
     norm_constant: C for "seq-mean-token-sum-norm".
     seq_ids: [B, L] trajectory id of each token (-1 on padding, which never
-      counts), or None: each row is one sequence.
+      counts), or None: each row is one sequence (padding rows included).
   Returns:
     [B, L] float32 weights, 0 off the mask; all 0 for an all-zero mask.
   """
@@ -214,13 +218,13 @@ def aggregation_weights(loss_mask: jax.Array, mode: str, *,
     return mask / jnp.maximum(jnp.sum(mask), 1.0)
   if seq_ids is None:
     n_s = jnp.broadcast_to(jnp.sum(mask, axis=-1, keepdims=True), mask.shape)
-    num_seqs = jnp.sum(n_s[:, 0] > 0)
+    num_seqs = mask.shape[0]
   else:
     # At most B * L distinct ids: that bound keeps the shape static.
     ids = jnp.where(seq_ids >= 0, seq_ids, 0).reshape(-1)
-    counts = jax.ops.segment_sum(mask.reshape(-1), ids, num_segments=ids.size)
-    n_s = counts[ids].reshape(mask.shape)
-    num_seqs = jnp.sum(counts > 0)
+    segment_sum = lambda x: jax.ops.segment_sum(x.reshape(-1), ids, num_segments=ids.size)
+    n_s = segment_sum(mask)[ids].reshape(mask.shape)
+    num_seqs = jnp.sum(segment_sum((seq_ids >= 0).astype(jnp.float32)) > 0)
   per_seq = mask / jnp.maximum(num_seqs, 1).astype(jnp.float32)
   if mode == "seq-mean-token-mean":
     return per_seq / jnp.maximum(n_s, 1.0)
@@ -274,7 +278,8 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
     l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A)
   (Schulman et al. 2017; asymmetric "clip-higher" bounds from DAPO). With
   `dual_clip = c > 1`, tokens with A < 0 are further bounded by l <= -c A
-  (Ye et al. 2020), so a huge ratio on a bad action cannot blow up. Optional
+  (Ye et al. 2020), so a huge ratio on a bad action cannot blow up; off by
+  default (veRL always applies it, c = 3: `clip_ratio_c`). Optional
   `is_weights` multiply l per token (treated as constants), e.g. truncated
   importance weights correcting the sampler-vs-trainer mismatch. Then
   `aggregate_loss(l, loss_mask, agg)`, or `sum(token_weights * l)` with

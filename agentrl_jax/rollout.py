@@ -37,7 +37,9 @@ generated that many tokens; unfinished episodes (and finished members of
 unfinished groups) carry over to the next call. If the policy changed in
 between (`policy_version`), carried episodes re-prefill their whole context,
 since their cached keys/values came from the old weights; every turn records
-the policy version that sampled it.
+the policy version that sampled it. An isolated run (an evaluation in
+between) sets them aside, snapshotting the slots it needs, and puts them
+back: it sees every slot, and they go on bit-identically.
 
 Context policies: append-only (default) keeps every turn in the cache, so
 each observation costs one `extend` of its own tokens. A sliding window
@@ -89,9 +91,11 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax import env_calls
+from agentrl_jax.checks import check_fields
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.envs import contract
 from agentrl_jax.envs.base import Environment, StepResult, Task
@@ -135,6 +139,15 @@ class RolloutConfig:
   # None: append-only (every turn stays in the cache; KV reuse).
   context_window: int | None = None
   max_context: int = 4096  # tokens per episode without a sampler (expert mode)
+
+  def __post_init__(self):
+    check_fields(self, [
+        ("max_turns", self.max_turns >= 1, "must be >= 1"),
+        ("max_action_tokens", self.max_action_tokens >= 1, "must be >= 1"),
+        ("env_workers", self.env_workers >= 1, "must be >= 1"),
+        ("context_window", self.context_window is None or self.context_window >= 1,
+         "must be None or >= 1"),
+    ])
 
 
 @dataclasses.dataclass
@@ -286,21 +299,17 @@ class RolloutEngine:
     call's samples do not depend on what earlier calls drew (a resumed run
     then continues exactly). Returns the trajectories of every group that
     completed in this call. `isolated`: run only these tasks, to the end,
-    and leave carried-over partial rollouts (and their slots) untouched for
-    the next call, e.g. an evaluation between training iterations.
+    as on an engine that carries nothing, and leave carried-over partial
+    rollouts for the next call exactly as they were (`_isolated`), e.g. an
+    evaluation between training iterations.
     `keep_caches`: snapshot every finished episode's cache for `branch` to
     fork from (dropping earlier snapshots); see the module doc.
     """
     if isolated:
       if token_budget is not None:
         raise ValueError("an isolated run finishes its episodes: no token_budget")
-      stash, self._carry, self._finished = (self._carry, self._finished), [], []
-      version = self._version
-      try:
-        return self.run(tasks, group_size, policy_version=version or 0, expert=expert,
-                        temperature=temperature, seed=seed)
-      finally:
-        (self._carry, self._finished), self._version = stash, version
+      return self._isolated(tasks, group_size, policy_version=policy_version,
+                            expert=expert, temperature=temperature, seed=seed)
     if keep_caches and (expert or token_budget is not None
                         or self.config.context_window is not None):
       raise ValueError("keep_caches is for branching: policy rollouts to the end "
@@ -409,6 +418,37 @@ class RolloutEngine:
         "generated_tokens": float(stats.generated_tokens),
         "generation_s": stats.generation, "env_wait_s": stats.env_wait}
     return [by_group[g] for g in group_of_point]
+
+  def _isolated(self, tasks: Sequence[Task], group_size: int, **kwargs) -> RolloutResult:
+    """`run` with the carried-over episodes set aside, and put back afterwards.
+
+    Carried episodes keep their slots between calls; the ones this run needs
+    beyond the free slots are snapshotted (`Sampler.snapshot`) and freed,
+    then forked back into the same slots, with the free list and the
+    sampler's random stream as they were: the carried episodes go on
+    bit-identically, and this run sees the slots an engine carrying nothing
+    would. Their next-token logits need no copy: a carried episode always
+    has tokens pending (an observation, or its prompt), whose feed
+    recomputes them.
+    """
+    saved = self._carry, self._finished, self._version, list(self._free)
+    snapshots, rng = {}, None
+    if self.sampler is not None and not kwargs["expert"]:
+      held = [ep for ep in self._carry if ep.slot is not None and ep.slot >= 0]
+      for ep in held[:max(len(tasks) * group_size - len(self._free), 0)]:
+        if not ep.fresh:  # (a fresh one's prefill restarts its slot anyway)
+          snapshots[ep.slot] = self.sampler.snapshot(self._state, ep.slot, ep.cached)
+        self._free.append(ep.slot)
+      rng = jnp.copy(self._state.rng)  # a copy: the decodes donate the state's
+    self._carry, self._finished = [], []
+    try:
+      return self.run(tasks, group_size, **kwargs)
+    finally:
+      self._carry, self._finished, self._version, self._free = saved
+      for slot, snapshot in snapshots.items():
+        self._state = self.sampler.fork(self._state, slot, snapshot, snapshot.length)
+      if rng is not None:
+        self._state = self._state.replace(rng=rng)
 
   def _source(self, traj: Trajectory, t: int, version: int) -> _Kept | None:
     """The kept cache holding `traj`'s prefix before action t, if any."""

@@ -344,8 +344,14 @@ def truncate_to(traj: Trajectory, max_len: int) -> Trajectory:
   Used when a trajectory is longer than the largest length bucket. The copy
   is `truncated=True`, `terminated=False` (the context budget ran out, the
   task did not end), with `metadata["length_truncated"] = True` and the
-  original length in `metadata["original_length"]`. Turn rewards of actions
-  that were cut away entirely are dropped with them.
+  original length and return in `metadata["original_length"]` and
+  `["original_reward"]`. It is the episode a context budget of `max_len`
+  would have recorded: the rewards of actions cut away entirely are dropped
+  with them, from `turn_rewards` and from `reward` alike (without turn
+  rewards, `reward` belongs to the last action, as in `turn_arrays`), so
+  trajectory- and turn-level credit see one return. The kept actions are not
+  credited with what the cut ones earned: as for any truncated episode,
+  `mask_truncated` drops its loss and GAE bootstraps the rest.
   """
   if max_len <= 0:
     raise ValueError(f"max_len must be positive, got {max_len}")
@@ -361,13 +367,17 @@ def truncate_to(traj: Trajectory, max_len: int) -> Trajectory:
         None if seg.logprobs is None else seg.logprobs[:n]))
     left -= n
   kept_turns = sum(s.role == Role.ASSISTANT for s in segments)
+  if traj.turn_rewards is not None:
+    reward = traj.reward - sum(traj.turn_rewards[kept_turns:])
+  else:
+    reward = traj.reward if kept_turns == traj.num_turns else 0.0
   return Trajectory(
-      segments=segments, reward=traj.reward,
+      segments=segments, reward=reward,
       turn_rewards=None if traj.turn_rewards is None
       else list(traj.turn_rewards[:kept_turns]),
       terminated=False, truncated=True,
       metadata={**traj.metadata, "length_truncated": True,
-                "original_length": len(traj)},
+                "original_length": len(traj), "original_reward": traj.reward},
       context_starts=None if traj.context_starts is None
       else list(traj.context_starts[:kept_turns]))
 

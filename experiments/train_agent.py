@@ -54,13 +54,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Output directory.")
 
 def build_model(cfg):
-  dtype = jnp.dtype(cfg.model.dtype)
+  """Compute in `model.dtype`, train `model.param_dtype` masters."""
+  dtype, param_dtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
   if cfg.model.path:
-    return models.from_pretrained(cfg.model.path, dtype=dtype,
-                                  value_head=_value_head(cfg))
+    return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
+                                  value_head=_value_head(cfg), remat=cfg.model.remat)
   return models.Decoder(models.tiny_config(
-      cfg.model.arch, dtype=dtype, param_dtype=dtype, value_head=_value_head(cfg),
-      **cfg.model.tiny), rngs=nnx.Rngs(cfg.seed))
+      cfg.model.arch, dtype=dtype, param_dtype=param_dtype, value_head=_value_head(cfg),
+      remat=cfg.model.remat, **cfg.model.tiny), rngs=nnx.Rngs(cfg.seed))
 
 
 def _value_head(cfg) -> bool:
@@ -73,16 +74,9 @@ def _mesh_config(cfg) -> sharding.MeshConfig:
 
 def build_mesh(cfg):
   """The configured (global) device mesh, or None for one device."""
-  mesh_cfg = _mesh_config(cfg)
+  mesh_cfg = _mesh_config(cfg)  # its fit to the batch: config_base.validate
   if mesh_cfg.shape == (1, 1, 1) and not cfg.mesh.multihost:
     return None
-  rows = cfg.rl.tasks_per_iteration * cfg.rl.group_size
-  split = mesh_cfg.data * mesh_cfg.fsdp
-  for what, n in (("rl.tasks_per_iteration x rl.group_size", rows),
-                  ("sft.batch_size", cfg.sft.batch_size),
-                  ("sampler.num_slots", cfg.sampler.num_slots)):
-    if n % split:
-      raise ValueError(f"{what} = {n} must divide by mesh data x fsdp = {split}")
   return sharding.make_mesh(mesh_cfg)
 
 
@@ -96,9 +90,6 @@ def build(cfg, mesh=None):
 
   mesh: the sampler's mesh (`sampler_mesh`), or None for one device.
   """
-  if max(cfg.rl.buckets) < cfg.sampler.cache_length:
-    raise ValueError(f"the largest rl.buckets entry ({max(cfg.rl.buckets)}) must hold a "
-                     f"full episode (sampler.cache_length={cfg.sampler.cache_length})")
   # The environment's contract first: a missing piece fails before any work.
   make_env = envs.env_class(cfg.env.name)
   probe = make_env(**cfg.env.kwargs)
@@ -124,6 +115,15 @@ def build(cfg, mesh=None):
   return model, sampler, engine, train_tasks, eval_tasks
 
 
+def progress_postfix(m: dict) -> dict[str, str]:
+  """The RL bar's new fields: the rollout reward, and held-out success only
+  where this iteration evaluated (the bar keeps the last one shown)."""
+  shown = {"reward": f"{m['rollout/reward_mean']:.2f}"}
+  if "eval/success" in m:
+    shown["success"] = f"{m['eval/success']:.2f}"
+  return shown
+
+
 def _refill(pool, chosen, rng):
   """n -> n more tasks of the pool, none of `chosen` nor drawn before, in a
   random order (drawn on first use: an iteration without refill leaves its
@@ -138,19 +138,25 @@ def _refill(pool, chosen, rng):
   return draw
 
 
-def run(cfg, workdir) -> dict | None:
+def run(cfg, workdir, explicit=()) -> dict | None:
   """SFT then RL as configured, into `workdir` (resuming from it); the summary
-  (process 0's; the other processes of a multi-host run return None)."""
+  (process 0's; the other processes of a multi-host run return None).
+
+  explicit: the config fields set by flags ("loss.clip_high", ...): a named
+  `algorithm` sets its fields except these.
+  """
+  kept = []
+  if cfg.algorithm in presets.PRESETS:  # its defaults first; a bad name: validate
+    kept = presets.kept_fields(explicit)
+    presets.apply(cfg, cfg.algorithm, keep=explicit)
   config_base.validate(cfg)  # a bad flag fails here, before any work
   if cfg.mesh.multihost:  # before any other JAX call
     distributed.initialize(cfg.mesh.coordinator, cfg.mesh.num_processes,
                            cfg.mesh.process_id)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   primary = distributed.is_primary()
-  if cfg.algorithm:  # a named algorithm fixes credit, aggregation, normaliser, filtering
-    presets.apply(cfg, cfg.algorithm)
-    if primary:
-      print(presets.describe(cfg.algorithm, cfg))
+  if cfg.algorithm and primary:
+    print(presets.describe(cfg.algorithm, cfg, overridden=kept))
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if primary:
@@ -161,7 +167,10 @@ def run(cfg, workdir) -> dict | None:
   # -- Train state, checkpoints, logging -------------------------------------------
   tx = train.make_optimizer(train.OptimConfig(**cfg.optim))
   rl_tx = train.make_optimizer(train.OptimConfig(**cfg.rl_optim))
-  graphdef, state = train.init_train_state(model, tx, with_reference=cfg.loss.kl_beta > 0)
+  # The first phase's optimizer: no SFT moments are made for a run without SFT.
+  graphdef, state = train.init_train_state(model, tx if cfg.sft.steps > 0 else rl_tx,
+                                           with_reference=cfg.loss.kl_beta > 0)
+  del model  # the state and the sampler hold their own copies
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
   progress = {"phase": "sft", "iteration": 0, "sft_success": None}
 
@@ -195,7 +204,7 @@ def run(cfg, workdir) -> dict | None:
   def evaluate(iteration):
     """Greedy held-out metrics; records the first episodes for the viewer."""
     trajs = []
-    m = rl.evaluate(engine, eval_tasks, trajectories=trajs)
+    m = rl.evaluate(engine, eval_tasks, trajectories=trajs, policy_version=iteration)
     if primary and cfg.log.eval_episodes:
       viewer.write_jsonl(episodes_file, [
           viewer.episode_record(t, engine.tok, iteration=iteration, phase="eval")
@@ -224,8 +233,11 @@ def run(cfg, workdir) -> dict | None:
     sampler.update_params(state.params)
   if progress["phase"] == "sft":
     # RL starts from the SFT (or loaded) policy: it is also the KL reference.
+    # The SFT moments and reference go first: never two sets in memory.
+    state = state.replace(opt_state=None, ref_params=None)
     state = state.replace(opt_state=rl_tx.init(state.params), ref_params=(
-        jax.tree.map(jnp.copy, state.params) if cfg.loss.kl_beta > 0 else None))
+        train.reference_params(state.params, cfg.model.dtype) if cfg.loss.kl_beta > 0
+        else None))
     if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards
       state = sharding.shard(state, sharding.param_shardings(state, mesh))
     progress = {"phase": "rl", "iteration": 0,
@@ -242,6 +254,7 @@ def run(cfg, workdir) -> dict | None:
                                               mesh=mesh),
                          state, rl.RLConfig(**cfg.rl), seed=cfg.seed)
   first = progress["iteration"]
+  postfix = {}
   bar = tqdm.tqdm(range(first, cfg.iterations), desc="RL", unit="it", initial=first,
                   total=cfg.iterations, disable=not primary)
   for it in bar:
@@ -265,8 +278,8 @@ def run(cfg, workdir) -> dict | None:
     if it + 1 == cfg.iterations:
       m["eval/success_sampled"] = sampled_success()
     log(it + 1, m)
-    bar.set_postfix(reward=f"{m['rollout/reward_mean']:.2f}",
-                    success=f"{m.get('eval/success', float('nan')):.2f}")
+    postfix.update(progress_postfix(m))
+    bar.set_postfix(postfix)
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
       ckpt.save(it + 1, trainer.state, {**progress, "iteration": it + 1})
   ckpt.close()
@@ -293,9 +306,21 @@ def run(cfg, workdir) -> dict | None:
 def main(argv):
   del argv
   try:
-    run(_CONFIG.value, _WORKDIR.value)
+    explicit = config_flags.get_override_values(flags.FLAGS["config"])
+    run(_CONFIG.value, _WORKDIR.value, explicit=_flat_keys(explicit))
   except (config_base.ConfigError, envs.ContractError) as e:
     raise app.UsageError(str(e)) from None
+
+
+def _flat_keys(overrides, prefix="") -> set[str]:
+  """{"loss": {"clip_high": 0.3}} or {"loss.clip_high": 0.3} -> {"loss.clip_high"}."""
+  keys = set()
+  for key, value in overrides.items():
+    if isinstance(value, dict):
+      keys |= _flat_keys(value, f"{prefix}{key}.")
+    else:
+      keys.add(prefix + key)
+  return keys
 
 
 def parse_flags(argv):

@@ -64,3 +64,19 @@ def assert_stays_over(env, actions):
 def qwen_tokenizer():
   """The real Qwen2/2.5 vocabulary (`tokenizer.qwen2_tokenizer`)."""
   return T.qwen2_tokenizer()
+
+
+def require_browser() -> None:
+  """Skips a test that opens a page in headless Chromium where none is
+  installed, naming the package; under `AGENTRL_REQUIRE_BROWSER=1` (what
+  .ci/run sets after installing it) a missing browser fails instead, so CI
+  never passes by skipping."""
+  import view  # pylint: disable=g-import-not-at-top  (experiments/ is on the path)
+  try:
+    view.chromium()
+  except FileNotFoundError:
+    message = ("needs headless Chromium, Debian's `chromium` package "
+               "(apt-get install chromium; .ci/run installs it)")
+    if os.environ.get("AGENTRL_REQUIRE_BROWSER") == "1":
+      pytest.fail(message + ", and AGENTRL_REQUIRE_BROWSER=1")
+    pytest.skip(message)

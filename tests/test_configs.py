@@ -150,3 +150,68 @@ def test_an_unknown_config_field_names_itself(override, message):
       cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode != 0
   assert f"FATAL Flags parsing error: {override}: {message}" in out.stderr, out.stderr[-2000:]
+
+
+def test_bf16_configs_train_float32_masters():
+  # model.dtype is the compute dtype; the trained weights are param_dtype's.
+  cfg = default.get_config()
+  cfg.model.dtype = "bfloat16"
+  model = train_agent.build_model(cfg)
+  leaves = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  assert model.cfg.dtype == "bfloat16"
+  assert {leaf.get_value().dtype.name for _, leaf in leaves} == {"float32"}
+
+
+def test_config_sections_are_the_library_dataclasses():
+  # One source of defaults: each section holds every field of its dataclass,
+  # and a value differs from the library default only where base.py says so.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  cpu_choices = {
+      "rollout": {"max_action_tokens", "max_observation_tokens", "env_workers", "lockstep"},
+      "optim": {"learning_rate", "total_steps", "b2"},
+      "rl_optim": {"learning_rate", "warmup_steps", "total_steps", "b2"},
+      "loss": set(), "rl": {"buckets"}}
+  cfg = base.get_config()
+  for name, cls in base.SECTIONS.items():
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    assert set(cfg[name]) == set(fields), name
+    differ = {k for k, v in fields.items() if cfg[name][k] != v}
+    assert differ == cpu_choices[name], name
+    cls(**cfg[name])  # builds as is
+  # The accelerator config overlaps tool calls with decoding.
+  assert not qwen_tpu.get_config("/m").rollout.lockstep
+
+
+def test_optional_fields_take_flags(tmp_path):
+  # A None default is a typed reference, so a flag can set it (the run then
+  # stops at validation, having parsed every flag).
+  out = subprocess.run(
+      [sys.executable, "experiments/train_agent.py", f"--workdir={tmp_path}",
+       "--config.loss.dual_clip=3.0", "--config.rollout.max_decode_batch=8",
+       "--config.rollout.env_deadline_s=2.5", "--config.sampler.num_slots=0"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert "sampler.num_slots = 0 must be >= 1" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_progress_bar_shows_success_only_where_evaluated():
+  assert train_agent.progress_postfix({"rollout/reward_mean": 0.5}) == {"reward": "0.50"}
+  assert train_agent.progress_postfix({"rollout/reward_mean": 0.5, "eval/success": 0.25}
+                                      ) == {"reward": "0.50", "success": "0.25"}
+
+
+def test_pytest_is_a_test_requirement_only():
+  names = lambda f: {l.split("==")[0] for l in (ROOT / f).read_text().splitlines()
+                     if l and not l.startswith(("#", "-"))}
+  assert "pytest" not in names("requirements.txt")
+  assert "pytest" in names("requirements-dev.txt")
+
+
+def test_the_accelerator_config_has_a_smoke_variant():
+  full, smoke = qwen_tpu.get_config("/m"), qwen_tpu.get_config("/m,smoke")
+  assert smoke.model.path == full.model.path == "/m"
+  assert (smoke.iterations, smoke.rl.tasks_per_iteration * smoke.rl.group_size) == (1, 4)
+  assert smoke.rl.buckets == (1024,) and smoke.sampler.cache_length == 1024
+  assert smoke.model.param_dtype == "float32" and smoke.model.dtype == "bfloat16"
+  base.validate(smoke)
+  with pytest.raises(ValueError, match="unknown variant 'fast'"):
+    qwen_tpu.get_config("/m,fast")

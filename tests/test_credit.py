@@ -5,7 +5,7 @@ import pytest
 
 from agentrl_jax import advantages as adv
 from agentrl_jax.train import credit
-from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
+from agentrl_jax.trajectory import Role, Segment, Trajectory, collate, turn_arrays
 
 
 def _trajs():
@@ -223,6 +223,27 @@ def test_gigpo_by_hand():
   got = credit.assign("gigpo", trajs, batch, gamma=1.0)
   assert _per_turn(got, 0) == pytest.approx([e + 1, e + 1], abs=1e-5)
   assert _per_turn(got, 2) == pytest.approx([0.0], abs=1e-5)
+
+
+def test_gigpo_on_inputs_built_by_hand_needs_their_state_keys():
+  # A scheme that builds CreditInputs itself and leaves out state_keys must
+  # not get one step group of every turn of every task.
+  trajs = _gigpo_trajs()
+  turn_rewards, turn_mask = turn_arrays(trajs)
+  inputs = dict(
+      trajectories=tuple(trajs), rewards=np.asarray([t.reward for t in trajs], np.float32),
+      turn_rewards=turn_rewards, turn_mask=turn_mask, group_ids=credit.group_ids_of(trajs),
+      terminated=np.ones(4, bool), truncated=np.zeros(4, bool), gamma=1.0, lam=1.0)
+  with pytest.raises(ValueError, match="state_keys: 0 key tuples for 4 trajectories"):
+    credit.gigpo(credit.CreditInputs(**inputs))
+  with pytest.raises(ValueError, match="1 key tuples for 2 trajectories"):
+    credit.anchor_groups(np.array([0, 1]), [("s0",)], 1)
+  # Given them: test_gigpo_by_hand's advantages.
+  keys = tuple(tuple(t.metadata["state_keys"]) for t in trajs)
+  got = np.asarray(credit.gigpo(credit.CreditInputs(**inputs, state_keys=keys)).turns)
+  e = np.sqrt(1.5)
+  np.testing.assert_allclose(got, [[2 * e, e + 1, 0], [-2 * e, -e, -e - 1], [0, 0, 0],
+                                   [0, 0, 0]], atol=1e-5)
 
 
 def test_gigpo_with_omega_zero_is_grpo_and_discounts_step_returns():

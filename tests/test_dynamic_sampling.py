@@ -33,7 +33,8 @@ def _traj(task, group, reward, actions=1, truncated=False):
 
 
 class ScriptedEngine:
-  """task.data["rewards"] are its G rollouts' returns; data["actions"] their turns."""
+  """task.data["rewards"] are its G rollouts' returns; data["actions"] their
+  turns; data["continuation"] the (return, turns) of every branch from it."""
 
   def __init__(self, max_context=64):
     self.max_context, self.runs, self.groups = max_context, [], 0
@@ -50,6 +51,13 @@ class ScriptedEngine:
         trajs.append(_traj(task, self.groups, reward, actions, truncated))
       self.groups += 1
     return types.SimpleNamespace(trajectories=trajs, metrics={"episodes": float(len(trajs))})
+
+  def branch(self, points, n, **kwargs):
+    del kwargs
+    self.branch_metrics = dict.fromkeys(
+        ("forked", "fed_tokens", "generated_tokens", "generation_s"), 0.0)
+    return [[_traj(task, traj.metadata["group_id"], *task.data["continuation"])
+             for _ in range(n)] for task, traj, _ in points]
 
 
 class RecordingStep:
@@ -162,6 +170,65 @@ def test_overlong_penalty_reaches_the_advantages():
   np.testing.assert_allclose(adv[1], 1.0, atol=1e-5)
   np.testing.assert_allclose(adv[2], 0.0)
   assert m["rollout/overlong_frac"] == 0.25 and m["rollout/overlong_penalty_mean"] == 0.25
+
+
+def _per_turn(batch):
+  """{(seq id, turn): the advantage on that turn's tokens}."""
+  on = batch.loss_mask > 0
+  return {(int(i), int(k)): float(a) for i, k, a in zip(
+      batch.seq_ids[on], batch.turn_index[on], batch.advantages[on])}
+
+
+def test_branch_continuations_are_shaped_like_the_episodes():
+  # Budget 16, buffer 8: 3 + 5 x turns tokens, so 2 turns (13 tokens) lose
+  # 5/8 and 1 turn (8) nothing. A: 2 turns, rewards [0, 1] -> [0, 3/8]; B: 1
+  # turn, 0. Both branches from A's turn 1 replay A: 2 turns, return 1,
+  # shaped 3/8 like A. V(s_0) = mean(3/8, 0) = 3/16 for both, V(s_1) =
+  # mean(3/8, 3/8, 3/8) (unshaped branches: mean(3/8, 1, 1) = 19/24).
+  # Branching (TD, gamma 1): A_0 = 0 + V(s_1) - V(s_0) = 3/16, A_1 = 3/8 -
+  # V(s_1) = 0; B_0 = 0 - 3/16.
+  engine, step = ScriptedEngine(max_context=16), RecordingStep()
+  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None), rl.RLConfig(
+      group_size=G, tasks_per_iteration=1, buckets=(16,), credit="branching",
+      branch_size=2, overlong_buffer=8, overlong_penalty=1.0))
+  task = Task("b", "b", {"rewards": (1.0, 0.0), "actions": (2, 1),
+                         "continuation": (1.0, 2)})
+  m = trainer.iteration([task], 1)
+  assert m["rollout/branch_episodes"] == 2
+  got = _per_turn(step.batches[0][0])
+  assert got == pytest.approx({(0, 0): 3 / 16, (0, 1): 0.0, (1, 0): -3 / 16}, abs=1e-6)
+
+
+def test_dynamic_sampling_filters_on_the_outcome_not_the_shaped_reward():
+  # allgood: both right, one overlong (68 tokens, shaped to 0): the shaped
+  # returns differ (GRPO +-1), the outcomes do not, so DAPO drops it.
+  trainer, _, step = _trainer(filter_zero_variance=True, overlong_buffer=16)
+  allgood = _task("allgood", (1.0, 1.0), actions=(13, 1))
+  m = trainer.iteration([allgood, GOOD[0]], 1)
+  assert m["rollout/dropped_groups"] == 1 and m["rollout/kept_frac"] == 0.5
+  batch = step.batches[0][0]
+  assert {o for o in _groups_of(batch) if o >= 0} == {2, 3}, "GOOD[0]'s rollouts"
+  assert sorted(set(_per_turn(batch).values())) == pytest.approx([-1.0, 1.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("credit, kept", [("grpo", 0.0), ("turn_returns", 0.5)])
+def test_dynamic_sampling_of_singleton_groups(credit, kept):
+  # group_size 1: a group-relative advantage is always 0 (its baseline is
+  # itself), so grpo drops every group; a scheme without a group baseline
+  # keeps those with signal: return 1 (overlong, shaped to 0: kept on its
+  # outcome), not return 0.
+  engine, step = ScriptedEngine(), RecordingStep()
+  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None), rl.RLConfig(
+      group_size=1, tasks_per_iteration=2, buckets=(128,), credit=credit,
+      filter_zero_variance=True, overlong_buffer=16))
+  tasks = [_task("one", (1.0,), actions=(13,), truncated=(False,)),
+           _task("zero", (0.0,), actions=(1,), truncated=(False,))]
+  m = trainer.iteration(tasks, 1)
+  assert m["rollout/kept_frac"] == kept
+  if kept:
+    assert _groups_of(step.batches[0][0])[0] == 0, "the return-1 episode"
+  else:
+    assert m["train/skipped_batch"] == 1.0 and not step.batches
 
 
 def test_truncated_episodes_keep_their_baseline_but_get_no_loss():

@@ -35,10 +35,8 @@ def ref_aggregate(x, m, mode, c=None, seqs=None):
   per = []
   for s in np.unique(seqs[seqs >= 0]):
     sel = (seqs == s) & (m > 0)
-    if not sel.any():
-      continue
     total = x[sel].sum()
-    per.append({"seq-mean-token-mean": total / sel.sum(),
+    per.append({"seq-mean-token-mean": total / max(sel.sum(), 1),
                 "seq-mean-token-sum": total,
                 "seq-mean-token-sum-norm": total / (l if c is None else c)}[mode])
   return float(np.mean(per)) if per else 0.0
@@ -107,7 +105,7 @@ def test_aggregate_matches_loop(mode):
   rng = np.random.default_rng(3)
   x = rng.normal(size=(5, 8)).astype(np.float32)
   m = (rng.uniform(size=(5, 8)) < 0.5).astype(np.float32)
-  m[2] = 0.0  # a sequence with no action tokens does not count
+  m[2] = 0.0  # a sequence with no action tokens counts, adding 0
   np.testing.assert_allclose(losses.aggregate_loss(x, m, mode),
                              ref_aggregate(x, m, mode), rtol=1e-5)
   np.testing.assert_allclose(losses.aggregate_loss(x, m, mode, norm_constant=3.0),
@@ -116,6 +114,27 @@ def test_aggregate_matches_loop(mode):
   np.testing.assert_allclose(
       losses.aggregate_loss(x, m, mode, seq_ids=jnp.asarray(seqs)),
       ref_aggregate(x, m * (seqs >= 0), mode, seqs=seqs), rtol=1e-5)
+
+
+def test_sequences_without_action_tokens_count_in_the_seq_mean_modes():
+  # Seq 0: actions 1, 3 (sum 4, mean 2); seq 1: action 6; seq 2 a real
+  # sequence whose loss is masked (mask_truncated); the last row padding.
+  # |S| = 3, as TRL divides by every row: the masked one adds 0.
+  x = np.array([[1, 3, 100], [6, 100, 100], [100, 100, 100], [100, 100, 100]], np.float32)
+  m = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]], np.float32)
+  ids = np.array([[0, 0, 0], [1, 1, -1], [2, 2, 2], [-1, -1, -1]], np.int32)
+  want = {"token-mean": 10 / 3, "seq-mean-token-mean": (2 + 6 + 0) / 3,
+          "seq-mean-token-sum": (4 + 6 + 0) / 3, "seq-mean-token-sum-norm": 10 / 3 / 3}
+  for mode, value in want.items():
+    np.testing.assert_allclose(losses.aggregate_loss(x, m, mode, seq_ids=ids), value,
+                               rtol=1e-6)
+    # Weights of the whole batch: any split of its rows adds up to the loss.
+    w = np.asarray(losses.aggregation_weights(m, mode, seq_ids=ids))
+    split = sum(float(losses.weighted_sum(x[r:r + 2], w[r:r + 2])) for r in (0, 2))
+    np.testing.assert_allclose(split, value, rtol=1e-6)
+  # Without seq_ids every row is a sequence, the padding one too: 4.
+  np.testing.assert_allclose(losses.aggregate_loss(x, m, "seq-mean-token-sum"), 10 / 4,
+                             rtol=1e-6)
 
 
 def test_aggregate_modes_by_hand():
@@ -265,10 +284,10 @@ def _trajs(rng, lengths):
 def _batch_loss(logits, batch, agg):
   logp = losses.token_logprobs(logits, batch.tokens)
   kl = losses.kl_penalty(logp, logp - 0.1, "k3")
+  kw = dict(norm_constant=16.0, seq_ids=batch.seq_ids)  # padding rows never count
   pg, metrics = losses.policy_loss(logp, batch.old_logprobs, batch.loss_mask,
-                                   batch.loss_mask, agg=agg, norm_constant=16.0)
-  return pg + 0.1 * losses.aggregate_loss(kl, batch.loss_mask, agg,
-                                          norm_constant=16.0), metrics
+                                   batch.loss_mask, agg=agg, **kw)
+  return pg + 0.1 * losses.aggregate_loss(kl, batch.loss_mask, agg, **kw), metrics
 
 
 @pytest.mark.parametrize("agg", losses.LOSS_AGG_MODES)

@@ -234,14 +234,24 @@ def test_sharded_checkpoint_loads(checkpoint, tmp_path):
   np.testing.assert_array_equal(a(tokens), b(tokens))
 
 
-def test_bf16_params_and_activations(checkpoint):
-  _, _, path = checkpoint
+def test_bf16_activations_over_float32_masters(checkpoint):
+  # A bf16-compute model trains float32 weights (the checkpoint's values
+  # exactly) and casts them to bf16 inside each layer: its logits equal
+  # those of bf16-stored weights, bit for bit.
+  _, tmodel, path = checkpoint
   model = models.from_pretrained(path, dtype=jnp.bfloat16)
+  stored16 = models.from_pretrained(path, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
   f32 = models.from_pretrained(path)
+  for path_, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    assert leaf.get_value().dtype == jnp.float32, path_
+  assert stored16.embed_tokens.embedding.get_value().dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(model.embed_tokens.embedding.get_value()),
+                                tmodel.model.embed_tokens.weight.detach().numpy())
   tokens = jnp.asarray(_batch()[0])
   logits = model(tokens)
   assert logits.dtype == jnp.bfloat16
-  assert model.embed_tokens.embedding.get_value().dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(logits, np.float32),
+                                np.asarray(stored16(tokens), np.float32))
   lp16 = losses.token_logprobs(logits, tokens)
   lp32 = losses.token_logprobs(f32(tokens), tokens)
   assert lp16.dtype == jnp.float32
@@ -319,3 +329,4 @@ def test_config_round_trip_through_hf():
     assert models.from_hf_config(models.to_hf_config(cfg)) == cfg
   with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
     models.tiny_config(rope_type="yarn")
+

@@ -1,7 +1,9 @@
 """Named algorithms are what their papers say (and what the ablation runs);
 the ablation's intervals."""
 
+import json
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +15,8 @@ from agentrl_jax.train import presets, rl
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 from configs import base  # noqa: E402  pylint: disable=wrong-import-position
 import credit_ablation  # noqa: E402  pylint: disable=wrong-import-position
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_presets_set_estimator_aggregation_normaliser_filtering():
@@ -64,3 +68,32 @@ def test_bootstrap_interval_of_the_mean_over_seeds():
   assert low > 0
   _, low, high = credit_ablation.bootstrap_mean([0.05, -0.04, 0.02, -0.06, 0.01, 0.03, -0.02, 0.0])
   assert low < 0 < high
+
+
+def test_a_preset_sets_defaults_and_explicit_flags_win():
+  cfg = base.get_config()
+  cfg.loss.clip_high, cfg.rl.credit = 0.3, "rloo"
+  presets.apply(cfg, "grpo", keep={"loss.clip_high", "rollout.max_turns"})
+  assert cfg.loss.clip_high == 0.3  # the flag's
+  assert (cfg.rl.credit, cfg.loss.clip_low, cfg.loss.agg) == (
+      "grpo", 0.2, "seq-mean-token-mean")  # the preset's
+  kept = presets.kept_fields({"loss.clip_high", "rollout.max_turns"})
+  assert kept == ["loss.clip_high"]
+  assert presets.describe("grpo", cfg, overridden=kept).endswith(
+      "overridden by flags: loss.clip_high=0.3")
+
+
+def test_the_command_line_preset_keeps_explicit_flags(tmp_path):
+  # --config.algorithm sets defaults under the flags: the resolved
+  # config.json holds the flag's clip and the preset's aggregation. (The run
+  # then stops at the missing model, after writing it.)
+  out = subprocess.run(
+      [sys.executable, "experiments/train_agent.py", f"--workdir={tmp_path}",
+       "--config=experiments/configs/default.py", "--config.algorithm=grpo",
+       "--config.loss.clip_high=0.3", f"--config.model.path={tmp_path}/no_model"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert "no_model has no config.json" in out.stderr
+  assert "overridden by flags: loss.clip_high=0.3" in out.stdout
+  written = json.loads((tmp_path / "config.json").read_text())
+  assert written["loss"]["clip_high"] == 0.3
+  assert (written["loss"]["clip_low"], written["loss"]["agg"]) == (0.2, "seq-mean-token-mean")

@@ -202,5 +202,5 @@ def test_a_registered_scheme_trains_in_the_rl_loop():
             for it in (1, 2)]
   # Its values were read (needs_values) and its returns trained the critic.
   assert all(l > 0 for l in losses) and losses[1] != losses[0]
-  with pytest.raises(ValueError, match="unknown credit scheme 'not_registered'"):
+  with pytest.raises(ValueError, match="credit = 'not_registered' must be one of"):
     _trainer({}, {"credit": "not_registered"})

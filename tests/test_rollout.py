@@ -285,6 +285,51 @@ def test_partial_rollouts_carry_over_and_reprefill(tok, model, sampler):
     np.testing.assert_allclose(lp[on], batch.old_logprobs[on], atol=1e-4)
 
 
+def _ids_and_logprobs(trajs):
+  return [[(s.token_ids, s.logprobs) for s in t.segments] for t in trajs]
+
+
+def test_an_evaluation_between_partial_rollouts_uses_every_slot_and_changes_nothing(
+    tok, sampler):
+  # 4 carried episodes hold all 4 slots; the evaluation needs 6 episodes.
+  def engine():
+    return RolloutEngine(CountdownEnv, tok, T.CHATML, sampler, RolloutConfig(
+        max_turns=4, max_action_tokens=8, lockstep=True))
+
+  def carried_engine():
+    e = engine()
+    first = e.run(_tasks(2, steps=(4,)), group_size=2, token_budget=8, seed=1)
+    assert first.trajectories == []
+    assert e.carried == 4 and not e._free  # pylint: disable=protected-access
+    return e
+
+  evaluation = lambda e: e.run(_tasks(3), group_size=2, temperature=0.0, isolated=True)
+  with_eval, without = carried_engine(), carried_engine()
+  got = evaluation(with_eval)
+  # The same episodes as on an engine that carries nothing.
+  assert _ids_and_logprobs(got.trajectories) == _ids_and_logprobs(
+      evaluation(engine()).trajectories)
+  assert len(got.trajectories) == 6 and with_eval.carried == 4
+  # The carried episodes go on exactly as without the evaluation: from their
+  # restored caches (the same policy version: no re-prefill) and the
+  # sampler's random stream as it was (no seed).
+  after = with_eval.run([]).trajectories
+  assert len(after) == 4
+  assert _ids_and_logprobs(after) == _ids_and_logprobs(without.run([]).trajectories)
+
+
+def test_an_isolated_run_records_the_policy_version_it_is_given(tok, sampler):
+  engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
+                         RolloutConfig(max_turns=4, max_action_tokens=8))
+  engine.run(_tasks(1, steps=(4,)), token_budget=4, policy_version=2)
+  got = engine.run(_tasks(2), temperature=0.0, isolated=True, policy_version=3)
+  assert [t.metadata["policy_versions"] for t in got.trajectories] == [[3], [3, 3]]
+  assert [t.metadata["staleness"] for t in got.trajectories] == [0, 0]
+  # The carried episode goes on as version 2's.
+  (carried,) = engine.run([], policy_version=2).trajectories
+  assert carried.metadata["policy_versions"] == [2] * 4
+
+
 @pytest.fixture(scope="module")
 def long_sampler(model):
   return Sampler(model, num_slots=4, cache_length=512, max_decode_length=12,

@@ -303,3 +303,16 @@ def test_sampled_logprobs_skip_the_second_normaliser_only_when_all_rows_are_raw(
   # The raw case compiles to a program without the second logsumexp branch taken.
   hlo = jax.jit(sample).lower(jax.random.key(1), logits, SamplingParams.make(3)).as_text()
   assert hlo.count("conditional") + hlo.count("stablehlo.case") >= 2
+
+
+def test_a_remat_model_samples_like_the_plain_one(model, sampler):
+  # Remat is a training choice (accelerator configs turn it on); the
+  # sampler's cached steps run the layers plainly, so the same model samples.
+  remat = models.Decoder(model.cfg.replace(remat=True), rngs=nnx.Rngs(0))
+  nnx.update(remat, nnx.state(model, nnx.Param))
+  other = Sampler(remat, num_slots=4, cache_length=CACHE, max_decode_length=12,
+                  length_buckets=(8, 16))
+  prompt = [3, 4, 5]
+  got = [s.decode(s.prefill(s.init_state(), [0], [prompt]), [0], max_new_tokens=10,
+                  temperature=0.0)[1][0].tokens for s in (other, sampler)]
+  assert got[0] == got[1]

@@ -10,6 +10,7 @@ import numpy as np
 from agentrl_jax import viewer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import conftest  # pylint: disable=wrong-import-position
 import view  # pylint: disable=wrong-import-position
 import test_viewer  # pylint: disable=wrong-import-position
 
@@ -87,6 +88,7 @@ def test_a_real_run_writes_episodes_the_viewer_shows(tmp_path):
     np.testing.assert_allclose(trainer, sampler, atol=2e-4)
   page = view.write_page(workdir)
   test_viewer.check_page(records, page.read_text())
+  conftest.require_browser()
   run = view.browse(page)
   assert 'data-ready="1"' in run.stdout and "data-error" not in run.stdout
   main = run.stdout[run.stdout.index("<main>"):]

@@ -345,3 +345,76 @@ def test_logprob_gap_kl_is_k3_of_kl_sampler_to_trainer():
   np.testing.assert_allclose(jnp.sum(jnp.exp(s) * per_token), exact, rtol=1e-5)
   # The reverse direction (the old metric's exp(-d) - 1 + d) is another number.
   assert abs(float(jnp.sum(jnp.exp(s) * (jnp.exp(s - t) - 1 - (s - t)))) - float(exact)) > 0.05
+
+
+def _changed_fraction(before, after) -> float:
+  """Fraction of all weights (N(0, 0.02) kernels and the rest) that moved."""
+  moved = sum(int(np.sum(np.asarray(a) != np.asarray(b)))
+              for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  return moved / sum(np.size(a) for a in jax.tree.leaves(before))
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_compute_trains_float32_masters(param_dtype):
+  # Under bf16 activations the masters and AdamW's moments stay float32, so
+  # one 1e-6 step moves (nearly) every weight; bf16 masters would round
+  # most such updates away (~2% of the weights move).
+  cfg = models.tiny_config("qwen2", vocab_size=64, dtype=jnp.bfloat16,
+                           param_dtype=param_dtype)
+  model = models.Decoder(cfg, rngs=nnx.Rngs(0))
+  tx = train.make_optimizer(train.OptimConfig(learning_rate=1e-6, warmup_steps=0))
+  graphdef, state = train.init_train_state(model, tx, with_reference=True)
+  before = jax.tree.map(jnp.copy, state.params)
+  state, metrics = train.RLStep(graphdef, tx, train.LossConfig(kl_beta=0.1))(
+      state, _batch())
+  assert float(metrics["skipped_updates"]) == 0
+  moved = _changed_fraction(before, state.params)
+  if param_dtype == jnp.bfloat16:
+    assert moved < 0.1
+    return
+  dtypes = {x.dtype for x in jax.tree.leaves((state.params, state.opt_state))
+            if jnp.issubdtype(x.dtype, jnp.floating)}
+  assert dtypes == {jnp.dtype(jnp.float32)}
+  assert moved > 0.99
+  # The reference is the masters' bf16 copy: half the bytes, and the same
+  # forward, since every layer casts its weights to bf16 before use.
+  assert {x.dtype for x in jax.tree.leaves(state.ref_params)} == {jnp.dtype(jnp.bfloat16)}
+  batch = _batch()
+  logits = lambda p: nnx.merge(graphdef, p)(batch.tokens, batch.positions, batch.seq_ids)
+  np.testing.assert_array_equal(np.asarray(logits(before), np.float32),
+                                np.asarray(logits(train.reference_params(before,
+                                                                         jnp.bfloat16)),
+                                           np.float32))
+
+
+def test_the_sampler_holds_a_compute_dtype_copy():
+  from agentrl_jax.sampling import Sampler  # pylint: disable=g-import-not-at-top
+  cfg = models.tiny_config("qwen2", vocab_size=64, dtype=jnp.bfloat16)
+  model = models.Decoder(cfg, rngs=nnx.Rngs(0))
+  sampler = Sampler(model, num_slots=2, cache_length=32, max_decode_length=4,
+                    length_buckets=(8,))
+  masters = nnx.split(model, nnx.Param)[1]
+  for params in (None, jax.tree.map(lambda x: x + 1e-3, masters)):
+    if params is not None:
+      sampler.update_params(params)  # weight sync from float32 masters
+    want = masters if params is None else params
+    flat = dict(nnx.to_flat_state(nnx.split(nnx.merge(sampler.graphdef, sampler.params),
+                                            nnx.Param)[1]))
+    for path, leaf in nnx.to_flat_state(want):
+      got = flat[path].get_value()
+      assert got.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                    np.asarray(leaf.get_value().astype(jnp.bfloat16),
+                                               np.float32))
+
+
+def test_a_remat_model_takes_the_same_step(model):
+  # The step's forwards (also the behaviour one, under lax.map) run the
+  # remat layers; the update equals the plain model's.
+  remat = models.Decoder(model.cfg.replace(remat=True), rngs=nnx.Rngs(0))
+  nnx.update(remat, nnx.state(model, nnx.Param))
+  cfg = train.LossConfig(kl_beta=0.05, micro_batches=2)
+  (_, plain, m1, _), (_, again, m2, _) = (_run(m, cfg, _batch()) for m in (model, remat))
+  for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(again.params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)

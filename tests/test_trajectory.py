@@ -140,6 +140,26 @@ def test_overlong_is_an_error_and_truncation_is_explicit():
   assert truncate_to(traj, 11) is traj
 
 
+def test_a_cut_trajectory_earns_what_its_kept_actions_earned():
+  # exercise6: turn rewards [0, 1], return 1. Cut at 8 tokens the second
+  # action is gone with its reward: return 0 at both levels, like an
+  # episode the context budget cut there.
+  cut = truncate_to(exercise6_traj(), 8)
+  assert cut.reward == 0.0 and cut.metadata["original_reward"] == 1.0
+  rewards, _ = turn_arrays([cut])
+  assert rewards.sum() == cut.reward
+  # Turn rewards [0.5, 2], return 2.5: the return loses what the cut actions
+  # earned; one cut inside (10 tokens) is kept, with its reward.
+  traj = exercise6_traj()
+  traj.reward, traj.turn_rewards = 2.5, [0.5, 2.0]
+  assert truncate_to(traj, 8).reward == 0.5 and truncate_to(traj, 10).reward == 2.5
+  # Without turn rewards, the return sits on the last action (`turn_arrays`):
+  # kept while that action is, dropped with it.
+  traj = exercise6_traj()
+  traj.turn_rewards = None
+  assert truncate_to(traj, 10).reward == 1.0 and truncate_to(traj, 8).reward == 0.0
+
+
 # -- Step records ---------------------------------------------------------------
 
 @st.composite

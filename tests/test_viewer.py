@@ -14,6 +14,7 @@ from agentrl_jax.train import credit
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import conftest  # pylint: disable=wrong-import-position
 import view  # pylint: disable=wrong-import-position
 
 
@@ -140,6 +141,7 @@ def test_page_colours_every_action_token_and_no_other(tok):
 
 
 def test_the_page_runs_in_a_real_browser(tok, tmp_path):
+  conftest.require_browser()
   viewer.write_jsonl(tmp_path / "trajectories.jsonl", _records(tok))
   page = view.write_page(tmp_path)
   run = view.browse(page, screenshot=tmp_path / "shot.png")
@@ -162,3 +164,17 @@ def test_view_renders_one_phase(tok, tmp_path):
   page = _Spans()
   page.feed(view.write_page(tmp_path, tmp_path / "eval.html", phase="eval").read_text())
   assert [p["data-phase"] for p in page.panels] == ["eval"]
+
+
+def test_a_missing_browser_skips_with_its_package_name_and_fails_ci(monkeypatch):
+  def missing():
+    raise FileNotFoundError("no Chromium found")
+  monkeypatch.setattr(view, "chromium", missing)
+  monkeypatch.delenv("AGENTRL_REQUIRE_BROWSER", raising=False)
+  with pytest.raises(pytest.skip.Exception, match="Debian's `chromium` package"):
+    conftest.require_browser()
+  monkeypatch.setenv("AGENTRL_REQUIRE_BROWSER", "1")  # as .ci/run sets it
+  with pytest.raises(pytest.fail.Exception, match="AGENTRL_REQUIRE_BROWSER=1"):
+    conftest.require_browser()
+  assert "export AGENTRL_REQUIRE_BROWSER=1" in (
+      pathlib.Path(__file__).resolve().parents[1] / ".ci/run").read_text()

@@ -40,6 +40,9 @@ class ModelConfig:
   o_bias: bool = False
   max_position_embeddings: int = 4096
   dtype: Any = jnp.float32  # activations (norms and softmax always float32)
+  # The trained (master) weights: float32 also under bf16 activations, or
+  # a small update rounds back to where it was (`compute_params` makes the
+  # compute-dtype copies the sampler and the KL reference hold).
   param_dtype: Any = jnp.float32
   value_head: bool = False  # scalar value per token from the final hidden state
   remat: bool = False  # recompute each layer's activations in the backward pass

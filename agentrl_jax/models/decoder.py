@@ -249,7 +249,32 @@ def _run_layer(layer, x, positions, rope, mask, cache_kv):
   return layer(x, positions, rope, mask, cache_kv)
 
 
-_run_layer_remat = nnx.remat(_run_layer)
+def _run_layer_remat(layer, x, positions, rope, mask, cache_kv):
+  """`_run_layer` under jax.checkpoint: the backward pass recomputes the
+  layer from its input. The layer crosses as (graphdef, state) and is
+  rebuilt inside, so nothing outside is mutated from the inner trace (what
+  nnx.remat does, and fails at, under the train step's lax.map). Training
+  only: no cache."""
+  del cache_kv
+  graphdef, state = nnx.split(layer)
+
+  def run(state, x, rope, mask):
+    return nnx.merge(graphdef, state)(x, positions, rope, mask, None)[0]
+  return jax.checkpoint(run)(state, x, rope, mask), None
+
+
+def compute_params(params, dtype):
+  """Fresh device copies of `params` with floating leaves in `dtype`.
+
+  Every layer casts its weights to the activation dtype before use, so a
+  copy in that dtype computes exactly what the float32 masters compute:
+  the sampler's weights and the KL reference hold this, at half the bytes
+  under bf16.
+  """
+  dtype = jnp.dtype(dtype)
+  cast = lambda x: (x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                    and x.dtype != dtype else jnp.copy(x))
+  return jax.tree.map(cast, params)
 
 
 class Decoder(nnx.Module):
@@ -295,7 +320,8 @@ class Decoder(nnx.Module):
     x = self.embed_tokens(tokens)
     rope = rope_tables(positions, self.cfg)  # once, not per layer
     new_k, new_v = [], []
-    run = _run_layer_remat if self.cfg.remat else _run_layer
+    # Remat is for training's backward pass; a sampler's cached steps have none.
+    run = _run_layer_remat if self.cfg.remat and cache is None else _run_layer
     for i, layer in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
       x, layer_cache = run(layer, x, positions, rope, mask, layer_cache)

@@ -81,7 +81,7 @@ def _weight_files(local_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
-                    param_dtype=None, value_head: bool = False,
+                    param_dtype=jnp.float32, value_head: bool = False,
                     remat: bool = False, seed: int = 0) -> Decoder:
   """Loads a local Llama/Qwen2 checkpoint (config.json + safetensors).
 
@@ -89,7 +89,9 @@ def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
     local_dir: a directory as written by transformers' `save_pretrained`
       (single file or sharded with `model.safetensors.index.json`).
     dtype: activation dtype (norms and softmax run in float32 regardless).
-    param_dtype: parameter dtype; defaults to `dtype`.
+    param_dtype: parameter dtype: float32 masters whatever `dtype` (a bf16
+      checkpoint converts exactly; a 1e-6 update to bf16 weights mostly
+      rounds away).
     value_head: add a value head; loaded from `value_head.safetensors` if the
       directory has one (our export), else freshly initialised from `seed`.
     remat: recompute layer activations in the backward pass.
@@ -106,7 +108,7 @@ def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
 
   hf = transformers.AutoConfig.from_pretrained(str(local_dir), local_files_only=True)
   cfg = config_lib.from_hf_config(
-      hf, dtype=dtype, param_dtype=param_dtype or dtype, value_head=value_head,
+      hf, dtype=dtype, param_dtype=param_dtype, value_head=value_head,
       remat=remat)
   tensors = _read_tensors(_weight_files(local_dir))
   if value_head and (local_dir / VALUE_HEAD_FILE).exists():

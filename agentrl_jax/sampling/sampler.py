@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax import distributed, sharding
-from agentrl_jax.models.decoder import Decoder, KVCache
+from agentrl_jax.models.decoder import Decoder, KVCache, compute_params
 from agentrl_jax.sampling import stops as stops_lib
 from agentrl_jax.sampling.processing import SamplingParams, sample
 from agentrl_jax.trajectory import bucket_length
@@ -121,6 +121,7 @@ class Sampler:
                mesh: jax.sharding.Mesh | None = None):
     self.cfg = model.cfg
     self.graphdef, params = nnx.split(model)
+    params = compute_params(params, self.cfg.dtype)  # the sampler's own copy
     self.num_slots, self.cache_length = num_slots, cache_length
     self.max_decode_length = max_decode_length
     self.length_buckets = tuple(sorted(length_buckets))
@@ -162,8 +163,10 @@ class Sampler:
   def update_params(self, model_or_params) -> None:
     """Weight sync: the next call samples from these parameters.
 
-    Never through the host: a device-side copy, so a train step that donates
-    its own parameters cannot delete the sampler's; under a mesh, a
+    Never through the host: a device-side copy in the compute dtype
+    (`models.compute_params`: float32 masters sample as their bf16 copy,
+    exactly what the trainer's forward computes), so a train step that
+    donates its own parameters cannot delete the sampler's; under a mesh, a
     device-to-device reshard when the given parameters are laid out
     otherwise (a trainer on another mesh), else a copy in place. Parameters
     that span several processes (a multi-host trainer) are resharded onto
@@ -176,12 +179,14 @@ class Sampler:
       if self._param_sharding is None:
         raise ValueError("parameters spanning several processes need a sampler on a "
                          "local mesh (distributed.local_mesh)")
-      self.params = distributed.to_local(model_or_params, self._param_sharding)
+      local = distributed.to_local(model_or_params, self._param_sharding)
+      self.params = compute_params(local, self.cfg.dtype)
     elif self._param_sharding is None:
-      self.params = jax.tree.map(jnp.copy, model_or_params)
+      self.params = compute_params(model_or_params, self.cfg.dtype)
     else:
-      self.params = jax.device_put(model_or_params, self._param_sharding,
-                                   may_alias=False)
+      # A fresh copy where the parameters are, then moved (or kept) in place.
+      self.params = jax.device_put(compute_params(model_or_params, self.cfg.dtype),
+                                   self._param_sharding)
 
   def init_state(self, seed: int = 0) -> SamplerState:
     if self._init_jit is None:

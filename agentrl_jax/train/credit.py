@@ -66,7 +66,9 @@ class CreditInputs:
   # before each turn (`branch_returns`): ([N, T, K], mask [N, T, K]).
   branch_returns: tuple[np.ndarray, np.ndarray] | None = None
   # Per trajectory, the environment's key of the state each turn was taken
-  # in (info["state_key"]; None where it reports none).
+  # in (info["state_key"]; None where it reports none). Schemes that group
+  # turns by state (gigpo) need one tuple per trajectory (`anchor_groups`
+  # raises otherwise); `assign` fills them from metadata["state_keys"].
   state_keys: tuple[tuple[Hashable | None, ...], ...] = ()
 
 
@@ -168,7 +170,15 @@ def turn_values_from_tokens(token_values: np.ndarray, batch: TokenBatch,
 def anchor_groups(group_ids: np.ndarray, state_keys: Sequence[Sequence[Hashable | None]],
                   num_turns: int) -> np.ndarray:
   """[N, T] int32 step-group ids: equal for the turns of one task group
-  taken from states with equal keys; unique for a turn without a key."""
+  taken from states with equal keys; unique for a turn without a key.
+
+  state_keys: one tuple per trajectory (a missing one would leave its turns
+    in one group with every other trajectory's: ValueError).
+  """
+  if len(state_keys) != len(group_ids):
+    raise ValueError(f"state_keys: {len(state_keys)} key tuples for {len(group_ids)} "
+                     "trajectories; pass one per trajectory (CreditInputs.state_keys, "
+                     "from metadata['state_keys']; None where a state has no key)")
   ids: dict[tuple[int, Hashable], int] = {}
   out = np.zeros((len(group_ids), num_turns), np.int32)
   for i, keys in enumerate(state_keys):
@@ -340,6 +350,10 @@ def gigpo(x: CreditInputs, *, omega: float = 1.0, scale: str = "std") -> Credit:
   gets the episode-level advantage only (all turns of python_tool, say).
   Another weight is a scheme of its own:
   `credit.register("gigpo_half")(functools.partial(credit.gigpo, omega=0.5))`.
+  The step returns are discounted by `rl.gamma` (x.gamma, default 1.0); the
+  paper and verl-agent's scripts use 0.95: set `rl.gamma=0.95` for their
+  setting (the scheme cannot tell the default from a chosen 1.0, so it
+  never overrides it).
   """
   returns = adv.discounted_returns(x.turn_rewards, x.turn_mask, x.gamma)
   steps = anchor_groups(np.asarray(x.group_ids), x.state_keys, x.turn_mask.shape[1])

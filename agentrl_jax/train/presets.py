@@ -19,8 +19,12 @@ and not GRPO without the std:
           tasks); clip-higher (0.2 / 0.28). Yu et al. 2025. Its overlong
           shaping depends on a run's token budget: `rl.overlong_buffer`.
 
-`apply(cfg, name)` writes a preset into an experiment config
-(`cfg.rl`, `cfg.loss`, `cfg.rollout`); `describe(name)` prints it.
+`apply(cfg, name, keep=...)` writes a preset into an experiment config
+(`cfg.rl`, `cfg.loss`) as defaults: fields in `keep` (what the command line
+set) stay as they are; `describe(name)` prints it and what a flag overrode.
+Every preset leaves `loss.kl_beta` at the config's 0 (DeepSeekMath's GRPO
+used a KL weight of 0.04; veRL's GRPO examples 0.001; DAPO and Dr.GRPO
+drop the KL term): set it with a flag.
 """
 
 from __future__ import annotations
@@ -63,22 +67,42 @@ def norm_constant(name: str, cfg) -> float | None:
   return float(cfg.rollout.max_turns * cfg.rollout.max_action_tokens)
 
 
-def apply(cfg, name: str):
-  """Sets credit, aggregation, normaliser, filtering and clipping; returns cfg."""
+def settings(name: str, cfg) -> dict[str, object]:
+  """The config fields the preset sets ("loss.agg": ...) and their values."""
   p = _get(name)
-  cfg.rl.credit = p.credit
-  cfg.rl.filter_zero_variance = p.filter_zero_variance
-  cfg.rl.max_refill_tasks = p.refill * cfg.rl.tasks_per_iteration
-  cfg.loss.agg = p.agg
-  cfg.loss.norm_constant = norm_constant(name, cfg)
-  cfg.loss.clip_low, cfg.loss.clip_high = p.clip
+  return dict(zip(FIELDS, (
+      p.credit, p.filter_zero_variance, p.refill * cfg.rl.tasks_per_iteration, p.agg,
+      norm_constant(name, cfg), p.clip[0], p.clip[1])))
+
+
+FIELDS = ("rl.credit", "rl.filter_zero_variance", "rl.max_refill_tasks", "loss.agg",
+          "loss.norm_constant", "loss.clip_low", "loss.clip_high")
+
+
+def kept_fields(keep) -> list[str]:
+  """The preset fields among `keep`, in `FIELDS` order."""
+  return [f for f in FIELDS if f in set(keep)]
+
+
+def apply(cfg, name: str, *, keep=()):
+  """Sets credit, aggregation, normaliser, filtering and clipping, except the
+  fields named in `keep` (set by flags: an explicit flag wins); returns cfg."""
+  for field, value in settings(name, cfg).items():
+    if field not in keep:
+      section, leaf = field.split(".")
+      cfg[section][leaf] = value
   return cfg
 
 
-def describe(name: str, cfg=None) -> str:
-  """One line per setting, e.g. for a notebook cell or a run's log."""
+def describe(name: str, cfg=None, overridden=()) -> str:
+  """One line per setting, e.g. for a notebook cell or a run's log;
+  `overridden`: the fields a flag set instead (shown with cfg's values)."""
   p = _get(name)
   c = norm_constant(name, cfg) if cfg is not None else p.norm
-  return (f"{name}: advantages={p.credit}, aggregation={p.agg}, normaliser C={c}, "
+  line = (f"{name}: advantages={p.credit}, aggregation={p.agg}, normaliser C={c}, "
           f"filter_zero_variance={p.filter_zero_variance}, "
           f"refill={p.refill} x tasks_per_iteration, clip={p.clip} ({p.source})")
+  if overridden:
+    flags = ", ".join(f"{f}={cfg[f.split('.')[0]][f.split('.')[1]]!r}" for f in overridden)
+    line += f"; overridden by flags: {flags}"
+  return line

@@ -16,8 +16,9 @@ One `RLTrainer.iteration(tasks, it)`:
      forking its episode's cached prefix: `RolloutEngine.branch`; the
      continuations only estimate values and are not trained on);
   4. optional filtering (`filter_zero_variance`): the rows of groups whose
-     advantages are all exactly 0 are dropped (they only cost compute),
-     logged as `rollout/kept_frac` and `rollout/dropped_groups`; with
+     advantages are all exactly 0 are dropped (they only cost compute;
+     advantages of the episodes before overlong shaping: DAPO filters on
+     the outcome), logged as `rollout/kept_frac` and `rollout/dropped_groups`; with
      `max_refill_tasks`, DAPO's dynamic sampling: more tasks are rolled out
      (through steps 1-4) until tasks_per_iteration groups carry signal or
      the cap is spent (`rollout/refill_tasks`), so every update holds the
@@ -27,9 +28,10 @@ One `RLTrainer.iteration(tasks, it)`:
 DAPO's overlong shaping, both off by default: `overlong_buffer` subtracts a
 penalty growing linearly from 0 to `overlong_penalty` over the last
 `overlong_buffer` tokens of the context budget (on the episode's last turn,
-before credit assignment), and `mask_truncated` zeroes the loss of every
-truncated episode (a budget of turns, tokens or time ran out), which still
-counts in its group's baseline.
+before credit assignment; branching's continuations alike), and
+`mask_truncated` zeroes the loss of every truncated episode (a budget of
+turns, tokens or time ran out), which still counts in its group's baseline
+(and in the seq-mean aggregations' |S|).
 
 With several processes (`agentrl_jax.distributed`) each one rolls out its
 share of the tasks on its own sampler and environments, collates and assigns
@@ -52,6 +54,7 @@ import jax
 import numpy as np
 
 from agentrl_jax import distributed, env_calls, losses, sharding
+from agentrl_jax.checks import check_fields
 from agentrl_jax.envs.base import Task
 from agentrl_jax.rollout import STOP_REASONS, RolloutEngine
 from agentrl_jax.train import credit
@@ -102,8 +105,17 @@ class RLConfig:
   mask_truncated: bool = False
 
   def __post_init__(self):
-    if self.max_refill_tasks < 0 or self.overlong_buffer < 0:
-      raise ValueError("max_refill_tasks and overlong_buffer must be >= 0")
+    check_fields(self, [
+        ("group_size", self.group_size >= 1, "must be >= 1"),
+        ("tasks_per_iteration", self.tasks_per_iteration >= 1, "must be >= 1"),
+        ("credit", self.credit in credit.schemes(),
+         f"must be one of {credit.schemes()} (or a scheme registered with "
+         "credit.register before the config is read)"),
+        ("buckets", len(self.buckets) > 0 and min(self.buckets) >= 1,
+         "must be positive lengths"),
+        ("max_refill_tasks", self.max_refill_tasks >= 0, "must be >= 0"),
+        ("overlong_buffer", self.overlong_buffer >= 0, "must be >= 0"),
+    ])
     if self.max_refill_tasks and not self.filter_zero_variance:
       raise ValueError("max_refill_tasks refills the groups filter_zero_variance drops; "
                        "turn filtering on")
@@ -142,16 +154,18 @@ def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequenc
 
 def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
              temperature: float = 0.0, samples: int = 1, seed: int | None = None,
-             trajectories: list | None = None) -> dict[str, float]:
+             trajectories: list | None = None, policy_version: int = 0
+             ) -> dict[str, float]:
   """Held-out success and reward over `samples` episodes per task.
 
   Greedy (temperature 0, one episode per task) by default; with sampling,
   pass a `seed` so the evaluation is reproducible. With several processes
   each runs its share of `tasks` and every one returns the overall result.
   trajectories: a list this process's episodes are appended to.
+  policy_version: the version of the sampler's weights, recorded on the episodes.
   """
   result = engine.run(distributed.task_share(tasks), samples, temperature=temperature,
-                      seed=seed, isolated=True)
+                      seed=seed, isolated=True, policy_version=policy_version)
   if trajectories is not None:
     trajectories.extend(result.trajectories)
   m = result.metrics
@@ -217,7 +231,7 @@ class RLTrainer:
                              token_budget=cfg.token_budget,
                              keep_caches=self._keep_caches)
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
-    trajs = self._trainable(result.trajectories, metrics)
+    outcomes, trajs = self._trainable(result.trajectories, metrics)
     if cfg.token_budget is not None:
       metrics["rollout/carried_episodes"] = float(self.engine.carried)
     # Static shapes, the same on every process: rows for the most views any
@@ -234,13 +248,14 @@ class RLTrainer:
     num_rows, length = base * -(-int(views) // base), bucket_length(int(longest), cfg.buckets)
     batch = (collate(trajs, buckets=(length,), num_rows=num_rows) if trajs
              else _padding_batch(num_rows, length))
-    batch = self._assign(batch, trajs, tasks, it, metrics)
+    batch, outcome_advantages = self._assign(batch, outcomes, trajs, tasks, it, metrics)
     if record:
       num = losses.action_bucket(int(most_actions), length)
       self.recorded = Recorded(trajs, batch, distributed.local_rows(self._logprobs(
           self.state.params, self._to_global(batch), num)))
     if cfg.filter_zero_variance:
-      batch, kept, groups, dropped = _keep_groups_with_signal(batch, trajs)
+      batch, kept, groups, dropped = _keep_groups_with_signal(batch, trajs,
+                                                              outcome_advantages)
       metrics["rollout/kept_frac"] = kept / max(len(trajs), 1)
       metrics["rollout/dropped_groups"] = float(dropped)
       if cfg.max_refill_tasks and refill is not None:
@@ -271,33 +286,46 @@ class RLTrainer:
   def _to_global(self, batch: TokenBatch):
     return distributed.global_batch(batch, self._rows)
 
-  def _trainable(self, trajs: Sequence[Trajectory], metrics: dict) -> list[Trajectory]:
-    """The episodes to train on (env faults left out), overlong-shaped;
-    adds their env steps to `metrics`."""
+  def _trainable(self, trajs: Sequence[Trajectory], metrics: dict
+                 ) -> tuple[list[Trajectory], list[Trajectory]]:
+    """The episodes to train on (env faults left out), as recorded and
+    overlong-shaped (the same list when shaping is off); adds their env
+    steps and penalties to `metrics`."""
     trajs = [t for t in trajs if t.metadata["stop_reason"] not in _ENV_FAULTS]
     metrics["rollout/env_steps"] = (metrics.get("rollout/env_steps", 0.0)
                                     + float(sum(t.num_turns for t in trajs)))
+    shaped, penalties = self._shaped(trajs)
     if self.cfg.overlong_buffer:
-      trajs, penalties = overlong_shaped(trajs, self.engine.max_context,
-                                         self.cfg.overlong_buffer, self.cfg.overlong_penalty)
       metrics["rollout/overlong_frac"] = float(np.mean(penalties > 0)) if trajs else 0.0
       metrics["rollout/overlong_penalty_mean"] = float(np.mean(penalties)) if trajs else 0.0
-    return trajs
+    return trajs, shaped
 
-  def _assign(self, batch: TokenBatch, trajs: Sequence[Trajectory], tasks: Sequence[Task],
-              it: int, metrics: dict, salt: int = 0) -> TokenBatch:
-    """Credit assignment (with the value forward or branches the scheme
-    needs), then the truncated episodes' loss masked if so configured."""
+  def _shaped(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], np.ndarray]:
+    """`overlong_shaped(trajs)` under this config; `trajs` itself when it is off."""
+    if not self.cfg.overlong_buffer:
+      return trajs, np.zeros(len(trajs), np.float32)
+    return overlong_shaped(trajs, self.engine.max_context, self.cfg.overlong_buffer,
+                           self.cfg.overlong_penalty)
+
+  def _assign(self, batch: TokenBatch, outcomes: list[Trajectory], trajs: list[Trajectory],
+              tasks: Sequence[Task], it: int, metrics: dict, salt: int = 0
+              ) -> tuple[TokenBatch, np.ndarray]:
+    """Credit assignment on the shaped episodes `trajs` (with the value
+    forward or branches the scheme needs; the continuations shaped alike, so
+    every sample of V(s_t) is), then the truncated episodes' loss masked if
+    so configured. Returns the batch and the advantages [B, L] the episodes
+    get unshaped (`outcomes`), which filtering reads: DAPO drops a group by
+    its outcomes, whatever the overlong penalty (eq. 11)."""
     cfg = self.cfg
     values = (distributed.local_rows(self._values(self.state.params, self._to_global(batch)))
               if self._credit.needs_values else None)
-    branch_values = None
+    branches = {}
     if self._credit.needs_branches:
       episodes, steps = 0.0, 0.0
       if trajs:
-        branch_values, episodes, steps = branch_values_of(
-            self.engine, tasks, trajs, cfg.branch_size, gamma=cfg.gamma,
-            policy_version=it, seed=(self.seed * 1_000_003 + it + 500_009 + salt) % 2**31)
+        branches, episodes, steps = branches_of(
+            self.engine, tasks, outcomes, cfg.branch_size, policy_version=it,
+            seed=(self.seed * 1_000_003 + it + 500_009 + salt) % 2**31)
       metrics["rollout/branch_episodes"] = metrics.get("rollout/branch_episodes", 0.0) + episodes
       metrics["rollout/env_steps"] += steps
       if trajs:
@@ -305,15 +333,25 @@ class RLTrainer:
           name = f"rollout/branch_{k}"
           metrics[name] = metrics.get(name, 0.0) + self.engine.branch_metrics[k]
     if not trajs:
-      return batch
-    batch = credit.assign(cfg.credit, trajs, batch, gamma=cfg.gamma, lam=cfg.lam,
-                          num_turns=self.engine.config.max_turns, token_values=values,
-                          branch_values=branch_values)
+      return batch, batch.advantages
+
+    def credited(episodes, continuations):
+      branch_values = (credit.branch_returns(episodes, continuations, gamma=cfg.gamma,
+                                             num_turns=self.engine.config.max_turns)
+                       if self._credit.needs_branches else None)
+      return credit.assign(cfg.credit, episodes, batch, gamma=cfg.gamma, lam=cfg.lam,
+                           num_turns=self.engine.config.max_turns, token_values=values,
+                           branch_values=branch_values)
+
+    out = credited(trajs, {p: self._shaped(c)[0] for p, c in branches.items()})
+    outcome_advantages = (credited(outcomes, branches).advantages
+                          if cfg.filter_zero_variance and trajs is not outcomes
+                          else out.advantages)
     if cfg.mask_truncated:
       truncated = np.asarray([t.truncated for t in trajs] + [False])  # [-1]: padding
-      batch = batch.replace(loss_mask=np.where(truncated[batch.seq_ids], 0.0,
-                                               batch.loss_mask).astype(np.float32))
-    return batch
+      out = out.replace(loss_mask=np.where(truncated[out.seq_ids], 0.0,
+                                           out.loss_mask).astype(np.float32))
+    return out, outcome_advantages
 
   def _refill(self, batch: TokenBatch, groups: int, num_trajs: int, it: int,
               refill: Callable[[int], Sequence[Task]], metrics: dict) -> TokenBatch:
@@ -333,7 +371,7 @@ class RLTrainer:
           self.seed * 1_000_003 + it + 104_729 * rounds) % 2**31, keep_caches=self._keep_caches)
       metrics["rollout/refill_episodes"] += len(result.trajectories)
       counts = {}  # the overlong metrics describe the first round's episodes
-      new = self._trainable(result.trajectories, counts)
+      new_outcomes, new = self._trainable(result.trajectories, counts)
       metrics["rollout/env_steps"] += counts["rollout/env_steps"]
       if not new:
         continue
@@ -342,8 +380,9 @@ class RLTrainer:
       longest = max(len(f.ids) for t in new for f in t.flatten_views())
       extra = collate(new, buckets=(bucket_length(longest, cfg.buckets),),
                       num_rows=base * -(-views // base))
-      extra = self._assign(extra, new, more, it, metrics, salt=104_729 * rounds)
-      extra, _, kept, _ = _keep_groups_with_signal(extra, new)
+      extra, outcome_advantages = self._assign(extra, new_outcomes, new, more, it, metrics,
+                                               salt=104_729 * rounds)
+      extra, _, kept, _ = _keep_groups_with_signal(extra, new, outcome_advantages)
       groups += kept
       extra = extra.replace(seq_ids=np.where(extra.seq_ids >= 0, extra.seq_ids + num_trajs,
                                              -1).astype(np.int32))
@@ -367,15 +406,14 @@ class RLTrainer:
     """This process's rollout metrics -> those over every process."""
     return distributed.combine(metrics, episodes, sums=_SUMS, maxima=_MAXIMA)
 
-def branch_values_of(engine: RolloutEngine, tasks: Sequence[Task],
-                     trajs: Sequence[Trajectory], branch_size: int, *, gamma: float,
-                     policy_version: int = 0, seed: int | None = None):
-  """Continuations from every intermediate state -> `credit.branch_returns`.
+def branches_of(engine: RolloutEngine, tasks: Sequence[Task], trajs: Sequence[Trajectory],
+                branch_size: int, *, policy_version: int = 0, seed: int | None = None):
+  """Continuations from every intermediate state, for `credit.branch_returns`.
 
   Samples `branch_size` continuations before every turn t >= 1 of every
   trajectory (the tasks they came from must be in `tasks`). Returns
-  (branch_values, continuations run, env steps they sampled, replayed turns
-  aside).
+  ({(i, t): trajectory i's continuations from turn t}, continuations run,
+  env steps they sampled, replayed turns aside).
   """
   task_of = {t.task_id: t for t in tasks}
   points = [(i, t) for i, traj in enumerate(trajs) for t in range(1, traj.num_turns)]
@@ -385,11 +423,19 @@ def branch_values_of(engine: RolloutEngine, tasks: Sequence[Task],
   # A continuation an env fault ended estimates nothing: left out.
   continuations = [[c for c in conts if c.metadata["stop_reason"] not in _ENV_FAULTS]
                    for conts in continuations]
-  values = credit.branch_returns(trajs, dict(zip(points, continuations)), gamma=gamma,
-                                 num_turns=engine.config.max_turns)
   steps = sum(c.num_turns - t for (_, t), conts in zip(points, continuations)
               for c in conts)
-  return values, float(len(points) * branch_size), float(steps)
+  return dict(zip(points, continuations)), float(len(points) * branch_size), float(steps)
+
+
+def branch_values_of(engine: RolloutEngine, tasks: Sequence[Task],
+                     trajs: Sequence[Trajectory], branch_size: int, *, gamma: float,
+                     policy_version: int = 0, seed: int | None = None):
+  """`branches_of` -> (`credit.branch_returns`, continuations run, env steps)."""
+  branches, episodes, steps = branches_of(engine, tasks, trajs, branch_size,
+                                          policy_version=policy_version, seed=seed)
+  return (credit.branch_returns(trajs, branches, gamma=gamma,
+                                num_turns=engine.config.max_turns), episodes, steps)
 
 
 def _padding_batch(num_rows: int, length: int) -> TokenBatch:
@@ -403,22 +449,28 @@ def _padding_batch(num_rows: int, length: int) -> TokenBatch:
                     returns=zeros(np.float32))
 
 
-def _keep_groups_with_signal(batch: TokenBatch, trajs: Sequence[Trajectory]
-                             ) -> tuple[TokenBatch, int, int, int]:
-  """Removes the rows of every group whose trained advantages are all exactly 0.
+def _keep_groups_with_signal(batch: TokenBatch, trajs: Sequence[Trajectory],
+                             advantages: np.ndarray) -> tuple[TokenBatch, int, int, int]:
+  """Removes the rows of every group whose advantages are all exactly 0.
 
   Such a group adds nothing to the policy gradient (its surrogate's
   gradient is A x ratio-gradient = 0) but costs a forward and a backward.
-  The test is on the assigned advantages, not on the rewards: equal rewards
-  still carry per-turn signal under turn-level credit. Returns the kept rows
-  (compacted, the same width), how many trajectories and groups they hold,
-  and how many groups had no signal.
+  The test is on the trained tokens' `advantages` [B, L], those the credit
+  scheme gives the episodes before overlong shaping, not on the rewards:
+  equal rewards still carry per-turn signal under turn-level credit, and a
+  group of right answers one of which ran overlong carries none (DAPO
+  filters on the outcome, eq. 11; veRL's `acc`). Under group-relative
+  credit that is DAPO's rule; a singleton group (group_size 1) is then
+  always dropped (its baseline is itself), and kept under credit without a
+  group baseline (turn_returns, gae) unless its advantages are all 0.
+  Returns the kept rows (compacted, the same width), how many trajectories
+  and groups they hold, and how many groups had no signal.
   """
   groups = np.asarray([t.metadata["group_id"] for t in trajs])
   ids = batch.seq_ids
   signal = np.zeros(len(trajs), bool)
   on = (ids >= 0) & (batch.loss_mask > 0)
-  np.logical_or.at(signal, ids[on], batch.advantages[on] != 0)
+  np.logical_or.at(signal, ids[on], advantages[on] != 0)
   informative = {g for g, s in zip(groups.tolist(), signal) if s}
   keep_traj = np.asarray([g in informative for g in groups.tolist()] + [False])  # [-1]: padding
   keep = keep_traj[ids.max(axis=1)]

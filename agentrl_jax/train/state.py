@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from agentrl_jax.checks import check_fields
+from agentrl_jax.models import compute_params
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -22,6 +25,13 @@ class OptimConfig:
   b1: float = 0.9
   b2: float = 0.999
   clip_norm: float = 1.0  # global-norm gradient clipping
+
+  def __post_init__(self):
+    check_fields(self, [
+        ("learning_rate", self.learning_rate > 0, "must be > 0"),
+        ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+        ("clip_norm", self.clip_norm > 0, "must be > 0"),
+    ])
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -49,12 +59,21 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *,
   """Splits the model into (graphdef, TrainState).
 
   The state holds device copies of the parameters: the train step donates
-  its state, which must not delete arrays the model (or a sampler built from
-  it) still uses. The reference policy is a further copy.
+  its state, which must not delete arrays the model still uses. They keep
+  the model's `param_dtype` (float32 masters; the optimizer's moments
+  follow them). The reference policy is a copy in the compute dtype
+  (`reference_params`).
   """
   graphdef, params = nnx.split(model, nnx.Param)
   params = jax.tree.map(jnp.copy, params)
-  ref = jax.tree.map(jnp.copy, params) if with_reference else None
+  ref = reference_params(params, model.cfg.dtype) if with_reference else None
   return graphdef, TrainState(
       params=params, opt_state=tx.init(params), ref_params=ref,
       step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+
+
+def reference_params(params, dtype):
+  """The frozen KL reference: `params` copied in the compute `dtype`. It only
+  runs forwards, which cast every weight to that dtype anyway, so it gives
+  the masters' log-probs exactly, in half the bytes under bf16."""
+  return compute_params(params, dtype)

@@ -53,6 +53,7 @@ import numpy as np
 import optax
 
 from agentrl_jax import losses, sharding
+from agentrl_jax.checks import check_fields
 from agentrl_jax.masked import masked_mean
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.trajectory import TokenBatch
@@ -80,18 +81,19 @@ class LossConfig:
   head_chunk: int = 1024  # positions whose [., V] logits exist at once
 
   def __post_init__(self):
+    check_fields(self, [
+        ("agg", self.agg in losses.LOSS_AGG_MODES,
+         f"must be one of {losses.LOSS_AGG_MODES}"),
+        ("kl_kind", self.kl_kind in losses.KL_KINDS, f"must be one of {losses.KL_KINDS}"),
+        ("is_correction", self.is_correction in IS_CORRECTIONS,
+         f"must be one of {IS_CORRECTIONS}"),
+        ("head_chunk", self.head_chunk >= 1, "must be >= 1"),
+        ("micro_batches", self.micro_batches >= 1, "must be >= 1"),
+        ("ppo_epochs", self.ppo_epochs >= 1, "must be >= 1"),
+    ])
     if self.is_correction == "tis" and not self.behaviour_forward:
       raise ValueError("is_correction='tis' needs behaviour_forward=True: its "
                        "weights are the trainer's log-probs against the sampler's")
-    if self.head_chunk < 1:
-      raise ValueError(f"head_chunk must be >= 1, got {self.head_chunk}")
-    if self.agg not in losses.LOSS_AGG_MODES:
-      raise ValueError(f"unknown agg {self.agg!r}; known: {losses.LOSS_AGG_MODES}")
-    if self.kl_kind not in losses.KL_KINDS:
-      raise ValueError(f"unknown kl_kind {self.kl_kind!r}; known: {losses.KL_KINDS}")
-    if self.is_correction not in IS_CORRECTIONS:
-      raise ValueError(f"unknown is_correction {self.is_correction!r}; "
-                       f"known: {IS_CORRECTIONS}")
 
 
 def decision_mask(turn_index: jax.Array) -> jax.Array:

@@ -6,10 +6,21 @@ from the command line: `--config.rl.group_size=16`. `validate(cfg)` checks a
 resolved config before any work starts (train_agent calls it first).
 """
 
+import dataclasses
+import types
+import typing
+
 import ml_collections
 
-from agentrl_jax import envs, losses
-from agentrl_jax.train import credit, presets, step
+from agentrl_jax import envs
+from agentrl_jax.checks import FieldError
+from agentrl_jax.rollout import RolloutConfig
+from agentrl_jax.train import LossConfig, OptimConfig, presets
+from agentrl_jax.train.rl import RLConfig
+
+# Config sections that are a library dataclass's fields.
+SECTIONS = {"rollout": RolloutConfig, "optim": OptimConfig, "rl_optim": OptimConfig,
+            "loss": LossConfig, "rl": RLConfig}
 
 
 def get_config():
@@ -48,42 +59,36 @@ def get_config():
   c.env = ml_collections.ConfigDict(dict(
       name="frozen_lake", kwargs={}, task_kwargs={}, chat_format="chatml",
       num_train_tasks=400, num_eval_tasks=64))
+  # dtype: activations and the sampler's weights; param_dtype: the trained
+  # masters and their AdamW moments (float32: under bf16 masters a 1e-6
+  # update rounds away on ~98% of the weights). remat: recompute each
+  # layer's activations in the backward pass (long rows of a large model).
   c.model = ml_collections.ConfigDict(dict(
-      path="", tokenizer="", arch="llama", dtype="float32", tiny={},
+      path="", tokenizer="", arch="llama", dtype="float32", param_dtype="float32",
+      remat=False, tiny={},
       value_head=False))  # always True when the credit scheme needs values (gae)
   c.sampler = ml_collections.ConfigDict(dict(
       num_slots=64, cache_length=768, length_buckets=(32, 64, 128, 256),
       # Cache windows a decode may attend over (one program each); (): the
       # sampler's default S/4, S/2, S.
       attention_windows=()))
-  c.rollout = ml_collections.ConfigDict(dict(
-      max_turns=8, max_action_tokens=16, max_observation_tokens=128,
-      temperature=1.0, top_k=0, top_p=1.0, env_workers=8, lockstep=True,
-      system_prompt=ml_collections.FieldReference(None, field_type=str),
-      # Sliding-window context (keep the last k turns); None: append-only.
-      context_window=ml_collections.FieldReference(None, field_type=int)))
+  # The sections below hold every field of their dataclass at its library
+  # default (`_section`); what this CPU-sized run sets otherwise is named
+  # in the call, so nothing else can drift from the library.
+  c.rollout = _section(
+      RolloutConfig, max_action_tokens=16, max_observation_tokens=128, env_workers=8,
+      # Bit-reproducible runs on a CPU; accelerator configs turn the
+      # tool/decode overlap back on (qwen_tpu.py).
+      lockstep=True)
   c.sft = ml_collections.ConfigDict(dict(num_demos=256, steps=150, batch_size=16))
-  c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-3, warmup_steps=10, total_steps=400, end_lr_fraction=0.1,
-      weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0))
+  c.optim = _section(OptimConfig, learning_rate=1e-3, total_steps=400, b2=0.99)
   # RL fine-tunes the SFT policy with its own, gentler optimiser.
-  c.rl_optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-4, warmup_steps=5, total_steps=200, end_lr_fraction=0.1,
-      weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0))
-  c.loss = ml_collections.ConfigDict(dict(
-      clip_low=0.2, clip_high=0.28, dual_clip=None, agg="token-mean",
-      norm_constant=None, kl_beta=0.0, kl_kind="k3", entropy_coef=0.0,
-      value_coef=0.0, is_correction="none", tis_cap=2.0, ppo_epochs=1,
-      micro_batches=1, behaviour_forward=True, head_chunk=1024))
-  c.rl = ml_collections.ConfigDict(dict(
-      group_size=8, tasks_per_iteration=8, credit="grpo", gamma=1.0, lam=0.95,
-      filter_zero_variance=False, branch_size=2, buckets=(128, 256, 512, 768),
-      max_bad_steps=5, fork_branches=True,
-      # DAPO: dynamic sampling's cap of extra tasks (needs filter_zero_variance)
-      # and overlong shaping (see agentrl_jax/train/rl.py).
-      max_refill_tasks=0, overlong_buffer=0, overlong_penalty=1.0, mask_truncated=False,
-      # Partial rollouts: sampled tokens per iteration; None: episodes finish.
-      token_budget=ml_collections.FieldReference(None, field_type=int)))
+  c.rl_optim = _section(OptimConfig, learning_rate=1e-4, warmup_steps=5, total_steps=200,
+                        b2=0.99)
+  c.loss = _section(LossConfig)
+  # DAPO's dynamic sampling refill and overlong shaping, partial rollouts
+  # (token_budget): see agentrl_jax/train/rl.py. Buckets up to the cache.
+  c.rl = _section(RLConfig, buckets=(128, 256, 512, 768))
   return c
 
 
@@ -91,37 +96,60 @@ class ConfigError(ValueError):
   """A config no run could use."""
 
 
+def _section(cls, **overrides) -> ml_collections.ConfigDict:
+  """Every field of dataclass `cls` at its default, then `overrides`. A field
+  that may be None is a typed FieldReference, so a flag can still set it."""
+  unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+  if unknown:
+    raise KeyError(f"{cls.__name__} has no fields {sorted(unknown)}")
+  hints = typing.get_type_hints(cls)
+  section = {}
+  for f in dataclasses.fields(cls):
+    value = overrides.get(f.name, f.default)
+    optional = typing.get_origin(hints[f.name]) in (typing.Union, types.UnionType)
+    if optional:
+      inner, = (t for t in typing.get_args(hints[f.name]) if t is not type(None))
+      value = ml_collections.FieldReference(value, field_type=inner)
+    section[f.name] = value
+  return ml_collections.ConfigDict(section)
+
+
 def validate(cfg) -> None:
-  """Raises ConfigError naming each field no run could use."""
+  """Raises ConfigError naming each field no run could use: the library
+  dataclasses' own rules (each section built once here), then what spans
+  sections (buckets against the cache, the mesh against the batch)."""
+  bad = []
+  for name, cls in SECTIONS.items():
+    try:
+      cls(**cfg[name])
+    except FieldError as e:
+      bad += [f"{name}.{field} = {value!r} {why}" for field, value, why in e.problems]
+    except (TypeError, ValueError) as e:
+      bad.append(f"{name}: {e}")
+  split = cfg.mesh.data * cfg.mesh.fsdp
   env_problem = _env_problem(cfg.env.name)
   rules = [
       ("iterations", cfg.iterations >= 0, "must be >= 0"),
       ("eval_every", cfg.eval_every >= 1, "must be >= 1"),
       ("checkpoint_every", cfg.checkpoint_every >= 1, "must be >= 1"),
       ("eval_samples", cfg.eval_samples >= 0, "must be >= 0"),
-      ("optim.learning_rate", cfg.optim.learning_rate > 0, "must be > 0"),
-      ("rl_optim.learning_rate", cfg.rl_optim.learning_rate > 0, "must be > 0"),
       ("sft.steps", cfg.sft.steps >= 0, "must be >= 0"),
       ("sft.batch_size", cfg.sft.batch_size >= 1, "must be >= 1"),
       ("sampler.num_slots", cfg.sampler.num_slots >= 1, "must be >= 1"),
-      ("rl.group_size", cfg.rl.group_size >= 1, "must be >= 1"),
-      ("rl.tasks_per_iteration", cfg.rl.tasks_per_iteration >= 1, "must be >= 1"),
-      ("rollout.max_turns", cfg.rollout.max_turns >= 1, "must be >= 1"),
-      ("rollout.env_workers", cfg.rollout.env_workers >= 1, "must be >= 1"),
-      ("rl.credit", cfg.rl.credit in credit.schemes(),
-       f"must be one of {credit.schemes()} (or a scheme registered with "
-       "credit.register before the config is read)"),
       ("algorithm", cfg.algorithm in ("", *presets.PRESETS),
        f"must be one of {('', *presets.PRESETS)}"),
-      ("loss.agg", cfg.loss.agg in losses.LOSS_AGG_MODES,
-       f"must be one of {losses.LOSS_AGG_MODES}"),
-      ("loss.kl_kind", cfg.loss.kl_kind in losses.KL_KINDS,
-       f"must be one of {losses.KL_KINDS}"),
-      ("loss.is_correction", cfg.loss.is_correction in step.IS_CORRECTIONS,
-       f"must be one of {step.IS_CORRECTIONS}"),
       ("env.name", env_problem is None, f"does not load: {env_problem}"),
+      ("rl.buckets", max(cfg.rl.buckets, default=0) >= cfg.sampler.cache_length,
+       f"must hold a full episode: the largest entry >= sampler.cache_length "
+       f"({cfg.sampler.cache_length})"),
   ]
-  bad = [f"{name} = {_get(cfg, name)!r} {why}" for name, ok, why in rules if not ok]
+  if split > 1:
+    rows = cfg.rl.tasks_per_iteration * cfg.rl.group_size
+    rules += [(what, n % split == 0, f"must divide by mesh data x fsdp = {split}")
+              for what, n in (("rl.tasks_per_iteration x rl.group_size", rows),
+                              ("sft.batch_size", cfg.sft.batch_size),
+                              ("sampler.num_slots", cfg.sampler.num_slots))]
+  bad += [f"{name} = {_value(cfg, name)!r} {why}" for name, ok, why in rules if not ok]
   if bad:
     raise ConfigError("invalid config: " + "; ".join(bad))
 
@@ -135,7 +163,10 @@ def _env_problem(env_name: str) -> str | None:
   return None
 
 
-def _get(cfg, name: str):
+def _value(cfg, name: str):
+  if " x " in name:  # a product of fields
+    a, b = name.split(" x ")
+    return _value(cfg, a) * _value(cfg, b)
   for part in name.split("."):
     cfg = cfg[part]
   return cfg
