@@ -35,8 +35,9 @@ def get_config(arg="/models/Qwen2.5-0.5B-Instruct"):
   c.model.path = model_dir
   c.model.tokenizer = model_dir
   c.model.dtype = "bfloat16"  # compute; the masters stay float32
-  # Recompute each layer in the backward pass (on XLA:CPU it measured no
-  # saving: benchmarks/README.md, smoke_run.py; unmeasured on a TPU).
+  # Recompute each layer in the backward pass. On XLA:CPU it saves nothing
+  # over the decoder's unrolled layers (benchmarks/remat_memory.py); a TPU
+  # is not measured.
   c.model.remat = True
   c.env.name = "search_qa_tools"
   c.env.kwargs = {}
