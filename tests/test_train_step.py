@@ -418,3 +418,19 @@ def test_a_remat_model_takes_the_same_step(model):
   for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(again.params)):
     np.testing.assert_allclose(a, b, atol=1e-6)
   np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+
+
+def test_each_compile_returns_the_compilers_memory_once(model, monkeypatch):
+  # The step compiles ahead of its first call per input signature and then
+  # hands the compiler's freed host memory back (malloc_trim), before the
+  # step's own temporaries are allocated; a repeated signature compiles
+  # nothing and releases nothing.
+  from agentrl_jax import host_memory  # pylint: disable=g-import-not-at-top
+  released = []
+  monkeypatch.setattr(host_memory, "release_freed", lambda: released.append(step.traces))
+  tx = optax.sgd(0.1)
+  graphdef, state = train.init_train_state(model, tx, with_reference=False)
+  step = train.RLStep(graphdef, tx, train.LossConfig())
+  for batch in (_batch(1), _batch(2), _batch(3, buckets=(64,)), _batch(4)):
+    state, _ = step(state, batch)
+  assert step.traces == 2 and released == [1, 2]

@@ -245,22 +245,46 @@ class DecoderLayer(nnx.Module):
     return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
 
 
-def _run_layer(layer, x, positions, rope, mask, cache_kv):
-  return layer(x, positions, rope, mask, cache_kv)
+def remat(f):
+  """`f(params, x, *consts) -> y` whose backward pass keeps only its inputs
+  and recomputes f once the gradient of y has arrived (consts get none).
+
+  Not jax.checkpoint: XLA:CPU drops its optimization barriers and merges
+  the recomputation with the forward pass (common-subexpression
+  elimination), so over unrolled layers it saves nothing
+  (benchmarks/remat_memory.py). Here the recomputation starts from
+  x + 0 * (one entry of y's gradient): the same value, which no pass can
+  merge with the forward's and no schedule can compute before that
+  gradient exists (for layer i: after layer i + 1's backward).
+  """
+  @jax.custom_vjp
+  def run(params, x, *consts):
+    return f(params, x, *consts)
+
+  def fwd(params, x, *consts):
+    return f(params, x, *consts), (params, x, consts)
+
+  def bwd(saved, d_y):
+    params, x, consts = saved
+    x = x + (d_y.reshape(-1)[0] * 0).astype(x.dtype)
+    _, vjp = jax.vjp(lambda p, h: f(p, h, *consts), params, x)
+    return (*vjp(d_y), *(None,) * len(consts))
+
+  run.defvjp(fwd, bwd)
+  return run
 
 
-def _run_layer_remat(layer, x, positions, rope, mask, cache_kv):
-  """`_run_layer` under jax.checkpoint: the backward pass recomputes the
-  layer from its input. The layer crosses as (graphdef, state) and is
-  rebuilt inside, so nothing outside is mutated from the inner trace (what
-  nnx.remat does, and fails at, under the train step's lax.map). Training
-  only: no cache."""
-  del cache_kv
+def _remat_layer(layer, x, positions, rope, mask):
+  """`layer(x, ...)` under `remat`: the backward pass keeps the input
+  [B, L, d]. The layer crosses as (graphdef, state) and is rebuilt inside,
+  so nothing outside is mutated from an inner trace (what nnx.remat does,
+  and fails at, under the train step's lax.map). Training only: no cache.
+  """
   graphdef, state = nnx.split(layer)
 
-  def run(state, x, rope, mask):
+  def run(state, x, positions, rope, mask):
     return nnx.merge(graphdef, state)(x, positions, rope, mask, None)[0]
-  return jax.checkpoint(run)(state, x, rope, mask), None
+  return remat(run)(state, x, positions, rope, mask)
 
 
 def compute_params(params, dtype):
@@ -319,16 +343,19 @@ class Decoder(nnx.Module):
       mask = key_positions[None, None, :] <= positions[:, :, None]
     x = self.embed_tokens(tokens)
     rope = rope_tables(positions, self.cfg)  # once, not per layer
-    new_k, new_v = [], []
-    # Remat is for training's backward pass; a sampler's cached steps have none.
-    run = _run_layer_remat if self.cfg.remat and cache is None else _run_layer
-    for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, layer_cache = run(layer, x, positions, rope, mask, layer_cache)
-      if layer_cache is not None:
-        new_k.append(layer_cache[0])
-        new_v.append(layer_cache[1])
-    new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+    new_cache = None
+    if cache is None:
+      # Remat is for training's backward pass; a sampler's cached steps have none.
+      for layer in self.layers:
+        x = (_remat_layer(layer, x, positions, rope, mask) if self.cfg.remat
+             else layer(x, positions, rope, mask, None)[0])
+    else:
+      new_k, new_v = [], []
+      for i, layer in enumerate(self.layers):
+        x, (k, v) = layer(x, positions, rope, mask, (cache.k[i], cache.v[i]))
+        new_k.append(k)
+        new_v.append(v)
+      new_cache = KVCache(k=tuple(new_k), v=tuple(new_v))
     return self.norm(x), new_cache
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from agentrl_jax import losses, sharding
+from agentrl_jax import host_memory, losses, sharding
 from agentrl_jax.checks import check_fields
 from agentrl_jax.masked import masked_mean
 from agentrl_jax.train.state import TrainState
@@ -201,6 +201,10 @@ class _StepJit:
   """`step(state, batch, num_actions) -> (state, metrics)` jitted with the
   state donated and `num_actions` (the action bucket, from the host) static.
 
+  Compiled ahead of the call, once per input signature (what jax.jit
+  caches on), so the compiler's freed host memory goes back to the OS
+  before the step allocates its temporaries (`host_memory.release_freed`).
+
   Under a mesh the shardings are fixed at the jit boundary: the state by the
   partition rules, the same in and out (so donation reuses its buffers and
   the next call finds the layout it was compiled for), batch rows over
@@ -213,6 +217,7 @@ class _StepJit:
     self._jit = (jax.jit(step, donate_argnums=(0,), static_argnums=(2,))
                  if mesh is None else None)
     self._shardings = None
+    self._compiled = {}
 
   def __call__(self, state: TrainState, batch: TokenBatch, num_actions: int | None):
     if num_actions is None:
@@ -221,17 +226,22 @@ class _StepJit:
       length = batch.loss_mask.shape[-1]
       num_actions = (losses.action_bucket(losses.most_actions(batch.loss_mask), length)
                      if isinstance(batch.loss_mask, np.ndarray) else length)
-    if self._mesh is None:
-      return self._jit(state, batch, num_actions)
-    if self._jit is None:
-      state_sharding = sharding.param_shardings(state, self._mesh)
-      self._shardings = (state_sharding, sharding.batch_sharding(self._mesh))
-      self._jit = jax.jit(self._step, donate_argnums=(0,), static_argnums=(2,),
-                          in_shardings=self._shardings,
-                          out_shardings=(state_sharding, sharding.replicated(self._mesh)))
-    # Commit both (a no-op once placed): jit traces committed and uncommitted
-    # inputs separately, and a host batch goes straight to its row shards.
-    return self._jit(*sharding.shard((state, batch), self._shardings), num_actions)
+    if self._mesh is not None:
+      if self._jit is None:
+        state_sharding = sharding.param_shardings(state, self._mesh)
+        self._shardings = (state_sharding, sharding.batch_sharding(self._mesh))
+        self._jit = jax.jit(self._step, donate_argnums=(0,), static_argnums=(2,),
+                            in_shardings=self._shardings,
+                            out_shardings=(state_sharding, sharding.replicated(self._mesh)))
+      # Commit both (a no-op once placed): a host batch goes straight to its
+      # row shards.
+      state, batch = sharding.shard((state, batch), self._shardings)
+    leaves, tree = jax.tree.flatten((state, batch))
+    key = (num_actions, tree, tuple(map(jax.typeof, leaves)))
+    if key not in self._compiled:
+      self._compiled[key] = self._jit.lower(state, batch, num_actions).compile()
+      host_memory.release_freed()
+    return self._compiled[key](state, batch)
 
 
 class RLStep:
