@@ -149,16 +149,27 @@ def plot(runs: dict[str, list[list[dict]]], panels: Sequence[tuple[str, Sequence
   fig.savefig(out_path, dpi=100)
 
 
+def report_panels(runs: dict[str, list[list[dict]]]) -> list[tuple[str, tuple[str, ...]]]:
+  """`REPORT`, with held-out pass@k next to avg@k (T = 1) after the first
+  panel where a run logged `eval/pass_at_<k>` (k = its eval_samples)."""
+  logged = {k for seeds in runs.values() for records in seeds for r in records for k in r}
+  pass_keys = tuple(sorted(k for k in logged if k.startswith("eval/pass_at_")))
+  if not pass_keys:
+    return list(REPORT)
+  return [REPORT[0], ("held-out pass@k and avg@k (T = 1)",
+                      pass_keys[:len(_STYLES) - 1] + ("eval/success_sampled",)), *REPORT[1:]]
+
+
 def report(runs: dict[str, list[list[dict]]], out_path: str, x: str = "step") -> None:
-  """The run report's panels (`REPORT`)."""
-  plot(runs, REPORT, out_path, x=x)
+  """The run report's panels (`report_panels`)."""
+  plot(runs, report_panels(runs), out_path, x=x)
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   runs = group_seeds(_WORKDIRS.value)
   if _KEYS.value is None:
-    panels = REPORT
+    panels = report_panels(runs)
   else:
     keys = _KEYS.value
     if keys == ["all"]:

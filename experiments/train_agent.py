@@ -174,12 +174,18 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
   progress = {"phase": "sft", "iteration": 0, "sft_success": None}
 
-  def sampled_success():
-    """Held-out success of the policy RL optimises (temperature 1), seeded."""
+  pass_key = f"pass_at_{cfg.eval_samples}"
+
+  def sampled():
+    """Held-out metrics of the policy RL optimises (temperature 1), seeded:
+    eval_samples episodes per task give "success_sampled" (avg@k) and, with
+    k > 1, the unbiased pass@k (`rl.pass_at_k`)."""
     if not cfg.eval_samples:
-      return float("nan")
-    return rl.evaluate(engine, eval_tasks, temperature=1.0, samples=cfg.eval_samples,
-                       seed=cfg.seed + 12345)["success"]
+      return {"success_sampled": float("nan")}
+    m = rl.evaluate(engine, eval_tasks, temperature=1.0, samples=cfg.eval_samples,
+                    seed=cfg.seed + 12345)
+    return {"success_sampled": m["success"],
+            **({pass_key: m[pass_key]} if pass_key in m else {})}
   resume = ckpt.latest_step()
   if resume is not None:
     abstract = jax.eval_shape(lambda: state)
@@ -240,11 +246,11 @@ def run(cfg, workdir, explicit=()) -> dict | None:
         else None))
     if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards
       state = sharding.shard(state, sharding.param_shardings(state, mesh))
+    at_start = sampled()
     progress = {"phase": "rl", "iteration": 0,
                 "sft_success": evaluate(0)["success"],
-                "sft_success_sampled": sampled_success()}
-    log(0, {"success": progress["sft_success"],
-             "success_sampled": progress["sft_success_sampled"]}, prefix="eval/")
+                **{f"sft_{k}": v for k, v in at_start.items()}}
+    log(0, {"success": progress["sft_success"], **at_start}, prefix="eval/")
     ckpt.save(0, state, progress)
   if primary:
     print(f"held-out success after SFT: {progress['sft_success']:.3f}")
@@ -276,7 +282,7 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     if (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations:
       m.update({f"eval/{k}": v for k, v in evaluate(it + 1).items()})
     if it + 1 == cfg.iterations:
-      m["eval/success_sampled"] = sampled_success()
+      m.update({f"eval/{k}": v for k, v in sampled().items()})
     log(it + 1, m)
     postfix.update(progress_postfix(m))
     bar.set_postfix(postfix)
@@ -295,10 +301,15 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   summary = {"sft_success": progress["sft_success"], "rl_success": final,
              "sft_success_sampled": progress.get("sft_success_sampled", float("nan")),
              "rl_success_sampled": final_sampled}
+  if f"eval/{pass_key}" in last:
+    summary.update({f"sft_{pass_key}": progress.get(f"sft_{pass_key}", float("nan")),
+                    f"rl_{pass_key}": last[f"eval/{pass_key}"]})
   (workdir / "summary.json").write_text(json.dumps(summary))
   print(f"held-out success after SFT: {progress['sft_success']:.3f}, after RL: {final:.3f} "
         f"(greedy); sampled at temperature 1: {summary['sft_success_sampled']:.3f} -> "
-        f"{final_sampled:.3f}")
+        f"{final_sampled:.3f}" + (f", pass@{cfg.eval_samples} {summary[f'sft_{pass_key}']:.3f} "
+                                  f"-> {summary[f'rl_{pass_key}']:.3f}"
+                                  if f"rl_{pass_key}" in summary else ""))
   print(f"curves: {workdir / 'curves.png'}; checkpoints: {workdir / 'checkpoints'}")
   return summary
 

@@ -19,13 +19,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 from configs import (base, calculator, default,  # pylint: disable=wrong-import-position
                      frozen_lake_turn_credit, python_tool, qwen_tpu, search_qa,
-                     tools_example)
+                     sokoban, tools_example)
 import train_agent  # pylint: disable=wrong-import-position
 
 CONFIGS = {
     "default": default.get_config, "calculator": calculator.get_config,
     "search_qa": search_qa.get_config, "python_tool": python_tool.get_config,
     "tools_example": tools_example.get_config,
+    "sokoban:gigpo": lambda: sokoban.get_config("gigpo"),
     **{f"frozen_lake_turn_credit:{s}": (lambda s=s: frozen_lake_turn_credit.get_config(s))
        for s in ("turn_returns", "turn_grpo", "gae", "branching", "gigpo")},
 }

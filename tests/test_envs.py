@@ -132,7 +132,7 @@ def test_from_gymnasium_frozen_lake_with_a_parser():
 
 def test_registry():
   assert envs.registered() == ("calculator", "frozen_lake", "python_tool", "search_qa",
-                               "search_qa_tools")
+                               "search_qa_tools", "sokoban")
   envs.register("guess_test", Guess)
   try:
     a, b = envs.make("guess_test"), envs.make("guess_test")

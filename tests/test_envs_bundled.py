@@ -1,4 +1,4 @@
-"""Tests for the bundled environments: SearchQA, Calculator, FrozenLake."""
+"""Tests for the bundled environments: SearchQA, Calculator, FrozenLake, Sokoban."""
 
 import pytest
 
@@ -9,8 +9,9 @@ from agentrl_jax.envs.base import REWARD_PARTS, Task
 from agentrl_jax.envs.calculator import CalcError, CalculatorEnv, format_number, safe_eval
 from agentrl_jax.envs.frozen_lake import FrozenLakeEnv
 from agentrl_jax.envs.search_qa import SearchQAEnv, exact_match, normalize_answer
+from agentrl_jax.envs.sokoban import SokobanEnv
 
-ENVS = (SearchQAEnv, CalculatorEnv, FrozenLakeEnv)
+ENVS = (SearchQAEnv, CalculatorEnv, FrozenLakeEnv, SokobanEnv)
 
 
 def rollout(env, task, policy, max_turns=50):

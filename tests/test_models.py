@@ -346,6 +346,38 @@ def test_remat_keeps_only_layer_inputs_for_the_backward_pass():
   assert per_layer[True] <= 2 * layer_input, per_layer
 
 
+def test_remat_casts_one_layers_weights_at_a_time():
+  # bf16 compute over float32 masters, gradients summed over micro-batches
+  # (the train step's lax.scan). Without `decoder.after`, XLA hoists every
+  # layer's bf16 weight cast (and XLA:CPU's float32 copy of it for its dots)
+  # out of the loop and shares it with the backward pass: the temporaries
+  # then grow by those copies with every layer. Under remat each layer casts
+  # where it runs, so they grow by far less than one layer's bf16 weights.
+  cfg = models.tiny_config("qwen2", vocab_size=97, hidden_size=128, intermediate_size=2048,
+                           dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
+  tokens = jax.ShapeDtypeStruct((4, 1, 8), jnp.int32)
+
+  def temp_bytes(layers):
+    model = nnx.eval_shape(lambda: models.Decoder(cfg.replace(num_layers=layers),
+                                                  rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+
+    def summed_grads(p, micro):
+      loss = lambda p, t: nnx.merge(graphdef, p)(t).astype(jnp.float32).sum()
+      def body(acc, t):
+        return jax.tree.map(jnp.add, acc, jax.grad(loss)(p, t)), None
+      return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), micro)[0]
+
+    compiled = jax.jit(summed_grads).lower(params, tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  per_layer = (temp_bytes(4) - temp_bytes(2)) / 2
+  layer_bf16 = 3 * 128 * 2048 * 2  # the MLP's three matrices in bf16
+  # The summed gradients are float32 per layer (2x layer_bf16) and are outputs,
+  # not temporaries; what grows is what stays alive across layers.
+  assert per_layer <= layer_bf16 / 2, (per_layer, layer_bf16)
+
+
 def test_config_round_trip_through_hf():
   for arch in ("llama", "qwen2"):
     cfg = models.tiny_config(arch, rope_type="llama3", rope_factor=8.0)

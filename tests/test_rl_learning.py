@@ -9,7 +9,9 @@ the outcome reward must learn to always look up, raising held-out success
 is seeded and the rollout runs in lockstep: the test is deterministic.
 """
 
+import itertools
 import random
+import types
 
 from flax import nnx
 import optax
@@ -204,3 +206,43 @@ def test_a_registered_scheme_trains_in_the_rl_loop():
   assert all(l > 0 for l in losses) and losses[1] != losses[0]
   with pytest.raises(ValueError, match="credit = 'not_registered' must be one of"):
     _trainer({}, {"credit": "not_registered"})
+
+
+def test_pass_at_k_by_hand_and_by_enumeration():
+  # n = 4 samples, c = 1 success: pass@2 = 1 - C(3, 2) / C(4, 2) = 1 - 3/6.
+  assert rl.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+  # n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 1 - 3/10.
+  assert rl.pass_at_k(5, 2, 2) == pytest.approx(0.7)
+  assert rl.pass_at_k(4, 0, 4) == 0.0 and rl.pass_at_k(4, 1, 4) == 1.0
+  assert rl.pass_at_k(8, 3, 1) == pytest.approx(3 / 8)  # pass@1 = c / n
+  # Every k-subset of n outcomes, counted: the fraction holding a success.
+  for n in range(1, 8):
+    for c in range(n + 1):
+      outcomes = [1] * c + [0] * (n - c)
+      for k in range(1, n + 1):
+        subsets = list(itertools.combinations(outcomes, k))
+        want = sum(any(s) for s in subsets) / len(subsets)
+        assert rl.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+  with pytest.raises(ValueError, match="1 <= k <= n"):
+    rl.pass_at_k(3, 1, 4)
+
+
+def test_evaluate_reports_pass_at_k_over_tasks():
+  # Two tasks x 4 samples: task a succeeds once, task b never; one episode of
+  # b ended on an environment fault and was not recorded (3 episodes).
+  def traj(task, success):
+    return types.SimpleNamespace(metadata={"task_id": task, "success": success})
+  outcomes = [("a", 1), ("a", 0), ("a", 0), ("a", 0), ("b", 0), ("b", 0), ("b", 0)]
+
+  class Engine:
+    def run(self, tasks, samples, **kw):
+      trajs = [traj(t, s) for t, s in outcomes]
+      return types.SimpleNamespace(trajectories=trajs, metrics={
+          "success_frac": 1 / 7, "reward_mean": 1 / 7, "turns_mean": 1.0,
+          "truncated_frac": 0.0, "episodes": 7})
+
+  m = rl.evaluate(Engine(), ["a", "b"], temperature=1.0, samples=4, seed=0)
+  # pass@4: a has a success among its 4 (1.0); b none among its 3 (0.0).
+  assert m["pass_at_4"] == pytest.approx(0.5)
+  assert m["success"] == pytest.approx(1 / 7)  # avg@4 over the recorded episodes
+  assert "pass_at_1" not in rl.evaluate(Engine(), ["a", "b"], samples=1)

@@ -343,7 +343,8 @@ def test_a_prompt_longer_than_the_cache_truncates_the_episode(tok, sampler):
   assert t.truncated and t.metadata["stop_reason"] == "context" and t.num_turns == 0
 
 
-@pytest.mark.parametrize("name", ["search_qa", "calculator", "frozen_lake", "python_tool"])
+@pytest.mark.parametrize("name", ["search_qa", "calculator", "frozen_lake", "python_tool",
+                                  "sokoban"])
 def test_every_bundled_env_end_to_end(name, tok, model, long_sampler):
   """Tiny model + bundled tokenizer on each bundled env: the flattened
   trajectories re-score to the rollout's log-probs, masks cover exactly the

@@ -40,7 +40,8 @@ def _metrics(workdir):
   adds at its own last iteration (a run stopped at 2 of 3 measured there)."""
   lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   return [{k: v for k, v in l.items()
-           if k not in ("time", "eval/success_sampled") and not k.endswith("_s")}
+           if k not in ("time", "eval/success_sampled") and not k.endswith("_s")
+           and not k.startswith("eval/pass_at_")}
           for l in lines]
 
 
@@ -52,6 +53,10 @@ def test_train_agent_writes_outputs_and_resumes_identically(tmp_path):
     assert (straight / name).stat().st_size > 0, name
   assert list((straight / "tb").iterdir()), "TensorBoard events written"
   assert sorted(p.name for p in (straight / "checkpoints").iterdir())[-1] == "3"
+  # pass@4 of 4 samples a task holds a success among them: never below avg@4.
+  summary = json.loads((straight / "summary.json").read_text())
+  for phase in ("sft", "rl"):
+    assert 0 <= summary[f"{phase}_success_sampled"] <= summary[f"{phase}_pass_at_4"] <= 1
   _run(resumed, 2)
   assert "resumed from" in _run(resumed, 3)
   # Same seed: the resumed run continues exactly where the straight one went.

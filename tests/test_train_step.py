@@ -434,3 +434,35 @@ def test_each_compile_returns_the_compilers_memory_once(model, monkeypatch):
   for batch in (_batch(1), _batch(2), _batch(3, buckets=(64,)), _batch(4)):
     state, _ = step(state, batch)
   assert step.traces == 2 and released == [1, 2]
+
+
+def test_the_bf16_step_copies_neither_the_state_nor_the_table():
+  # What a parameter costs in the RL step's temporaries, from XLA's buffer
+  # assignment (nothing allocated), bf16 compute over float32 masters,
+  # remat, 2 micro-batches: growing the depth adds per layer the gradient
+  # accumulator and the micro-batch loop's copy of the parameters (2 float32
+  # copies of the layer); growing the vocabulary adds per [V, d] table the
+  # accumulator, the lookup's scatter and the head's float32 cast. Before the
+  # update was ordered (`step._update`) it also copied every leaf's AdamW
+  # moments (3.2 layers here); before the lookup gathered rows first and the
+  # head cast per chunk, 6.1 tables.
+  def temp_bytes(layers, vocab, intermediate):
+    cfg = models.tiny_config(
+        "qwen2", vocab_size=vocab, intermediate_size=intermediate, num_layers=layers,
+        tie_word_embeddings=True, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
+    tx = train.make_optimizer(train.OptimConfig(learning_rate=1e-6))
+    model = nnx.eval_shape(lambda: models.Decoder(cfg, rngs=nnx.Rngs(0)))
+    graphdef = nnx.split(model, nnx.Param)[0]
+    state = jax.eval_shape(lambda: train.init_train_state(
+        models.Decoder(cfg, rngs=nnx.Rngs(0)), tx, with_reference=True)[1])
+    step = train.RLStep(graphdef, tx, train.LossConfig(kl_beta=0.01, micro_batches=2))
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4, 32), x.dtype),
+                         _batch(4, vocab=vocab, buckets=(32,)))
+    compiled = step._jit._jit.lower(state, batch, 8).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  layer = 3 * 128 * 2048 * 4  # the MLP's matrices in float32
+  per_layer = (temp_bytes(4, 256, 2048) - temp_bytes(2, 256, 2048)) / 2 / layer
+  table = 32768 * 128 * 4
+  per_table = (temp_bytes(2, 65536, 256) - temp_bytes(2, 32768, 256)) / table
+  assert per_layer < 2.6 and per_table < 4.5, (per_layer, per_table)

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import collections
 import random
-import re
 from typing import Any, Sequence
 
 from gymnasium.envs.toy_text import frozen_lake
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split, tool_call
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split
+from agentrl_jax.envs.grid import DELTAS, MOVES, POSITION, read_move
 
 SPLITS = ("train", "test")
-MOVES = ("left", "down", "right", "up")  # gymnasium's action ids 0..3
-_DELTAS = ((0, -1), (1, 0), (0, 1), (-1, 0))
-_USAGE = tuple(f"<move>{m}</move>" for m in MOVES)
-_POSITION = re.compile(r"You are at row (\d+), column (\d+)\.")
 _PROMPT = "Walk from S to G across the frozen lake without falling into a hole (H)."
 
 
@@ -38,7 +34,7 @@ def _distances(desc: Sequence[str]) -> dict[tuple[int, int], int]:
   dist, queue = {goal: 0}, collections.deque([goal])
   while queue:
     r, c = queue.popleft()
-    for dr, dc in _DELTAS:
+    for dr, dc in DELTAS:
       cell = (r + dr, c + dc)
       if (0 <= cell[0] < size and 0 <= cell[1] < size and cell not in dist
           and desc[cell[0]][cell[1]] != "H"):
@@ -49,7 +45,7 @@ def _distances(desc: Sequence[str]) -> dict[tuple[int, int], int]:
 
 def _neighbour(cell: tuple[int, int], move: int, size: int) -> tuple[int, int]:
   """Where `move` leads from `cell` (walls keep you in place, as in gymnasium)."""
-  r, c = cell[0] + _DELTAS[move][0], cell[1] + _DELTAS[move][1]
+  r, c = cell[0] + DELTAS[move][0], cell[1] + DELTAS[move][1]
   return (min(max(r, 0), size - 1), min(max(c, 0), size - 1))
 
 
@@ -108,7 +104,7 @@ class FrozenLakeEnv(TextEnvironment):
     dist = _distances(desc)
 
     def policy(observation: str) -> str:
-      r, c = map(int, _POSITION.findall(observation)[-1])
+      r, c = map(int, POSITION.findall(observation)[-1])
       here = (r - 1, c - 1)
       move = min(range(len(MOVES)),
                  key=lambda m: dist.get(_neighbour(here, m, len(desc)), len(desc) ** 2))
@@ -125,15 +121,11 @@ class FrozenLakeEnv(TextEnvironment):
     return f"{task.prompt}\n\n{self._render()}"
 
   def _step(self, action: str) -> tuple[str, dict[str, float], bool, dict[str, Any]]:
-    call = tool_call(action)
-    rejected = self.reject(call, ("move",), _USAGE)
-    if rejected:
-      return rejected
-    word = call[1].strip().lower()
-    if word not in MOVES:
-      return (f"Unknown move {word[:40]!r}. Use left, down, right or up.",
-              {"format": -self.format_penalty}, False, {"malformed": True})
-    move, before = MOVES.index(word), self._cell()
+    move = read_move(self, action)
+    if isinstance(move, tuple):
+      return move
+    word = MOVES[move]
+    before = self._cell()
     self._state, reward, terminated, _, _ = self._gym.step(move)
     after = self._cell()
     parts = {"outcome": float(reward)}

@@ -25,6 +25,7 @@ _REGISTRY: dict[str, str | Callable[..., Environment]] = {
     "calculator": "agentrl_jax.envs.calculator:CalculatorEnv",
     "frozen_lake": "agentrl_jax.envs.frozen_lake:FrozenLakeEnv",
     "python_tool": "agentrl_jax.envs.python_tool:PythonToolEnv",
+    "sokoban": "agentrl_jax.envs.sokoban:SokobanEnv",
 }
 
 

@@ -122,6 +122,23 @@ def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs):
       kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
+class _Embed(nnx.Embed):
+  """nnx.Embed that gathers rows before casting them to the compute dtype
+  (nnx.Embed casts the whole [V, d] table first: a vocabulary-sized copy,
+  which XLA hoists out of the train step's loops and keeps), and whose
+  `attend` contracts the table's feature axis in place (no transposed copy).
+  """
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("token ids must be integers")
+    return jnp.take(self.embedding[...], inputs, axis=0).astype(self.dtype)
+
+  def attend(self, query: jax.Array) -> jax.Array:
+    query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+    return jnp.einsum("...d,vd->...v", query, table)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -255,23 +272,40 @@ def remat(f):
   (benchmarks/remat_memory.py). Here the recomputation starts from
   x + 0 * (one entry of y's gradient): the same value, which no pass can
   merge with the forward's and no schedule can compute before that
-  gradient exists (for layer i: after layer i + 1's backward).
+  gradient exists (for layer i: after layer i + 1's backward). The layer's
+  weights enter f through `after(params, x)` for the same reason: their
+  casts are made where the layer runs, each time it runs.
   """
+  def tied(params, x, *consts):
+    return f(after(params, x), x, *consts)
+
   @jax.custom_vjp
   def run(params, x, *consts):
-    return f(params, x, *consts)
+    return tied(params, x, *consts)
 
   def fwd(params, x, *consts):
-    return f(params, x, *consts), (params, x, consts)
+    return tied(params, x, *consts), (params, x, consts)
 
   def bwd(saved, d_y):
     params, x, consts = saved
-    x = x + (d_y.reshape(-1)[0] * 0).astype(x.dtype)
-    _, vjp = jax.vjp(lambda p, h: f(p, h, *consts), params, x)
+    x = after(x, d_y)
+    _, vjp = jax.vjp(lambda p, h: tied(p, h, *consts), params, x)
     return (*vjp(d_y), *(None,) * len(consts))
 
   run.defvjp(fwd, bwd)
   return run
+
+
+def after(tree, x: jax.Array):
+  """`tree`'s floating leaves + 0 * (one entry of x): the same values, which
+  exist only once x does. Under `remat` each layer's weights go through it,
+  so their compute-dtype casts (and XLA:CPU's float32 copies for its dots)
+  are made where the layer runs, per micro-batch and again in the backward
+  pass, instead of being hoisted out of the loops or shared with the
+  forward pass: one layer's copies live at a time, not every layer's."""
+  zero = jax.lax.stop_gradient(x[(0,) * x.ndim]) * 0
+  return jax.tree.map(lambda a: a + zero.astype(a.dtype)
+                      if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def _remat_layer(layer, x, positions, rope, mask):
@@ -306,7 +340,7 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed_tokens = nnx.Embed(
+    self.embed_tokens = _Embed(
         cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         embedding_init=nnx.initializers.normal(0.02), rngs=rngs)

@@ -152,26 +152,55 @@ def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequenc
   return pool
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased pass@k of one task from n samples, c of them successes:
+  1 - C(n - c, k) / C(n, k) (Chen et al. 2021, "Evaluating large language
+  models trained on code", eq. 1), the probability that k of the n samples
+  drawn without replacement hold a success; computed as a product, so no
+  binomial overflows. pass@1 = c / n; with k = n it is 1 if c > 0 else 0.
+  """
+  if not (0 <= c <= n and 1 <= k <= n):
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+  if n - c < k:
+    return 1.0
+  return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
 def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
              temperature: float = 0.0, samples: int = 1, seed: int | None = None,
              trajectories: list | None = None, policy_version: int = 0
              ) -> dict[str, float]:
-  """Held-out success and reward over `samples` episodes per task.
+  """Held-out metrics over `samples` episodes per task.
 
+  "success" is the mean over every episode (avg@k with k = samples),
+  "reward", "turns" and "truncated" likewise; with samples > 1 also
+  f"pass_at_{samples}", the mean over tasks of `pass_at_k` (a task with
+  fewer recorded episodes, some having ended on an environment fault, gets
+  pass@n of the n it has).
   Greedy (temperature 0, one episode per task) by default; with sampling,
   pass a `seed` so the evaluation is reproducible. With several processes
   each runs its share of `tasks` and every one returns the overall result.
   trajectories: a list this process's episodes are appended to.
   policy_version: the version of the sampler's weights, recorded on the episodes.
   """
-  result = engine.run(distributed.task_share(tasks), samples, temperature=temperature,
+  share = distributed.task_share(tasks)
+  result = engine.run(share, samples, temperature=temperature,
                       seed=seed, isolated=True, policy_version=policy_version)
   if trajectories is not None:
     trajectories.extend(result.trajectories)
   m = result.metrics
-  return distributed.combine(
+  out = distributed.combine(
       {"success": m["success_frac"], "reward": m["reward_mean"],
        "turns": m["turns_mean"], "truncated": m["truncated_frac"]}, m["episodes"])
+  if samples > 1:
+    outcomes = {}
+    for t in result.trajectories:
+      outcomes.setdefault(t.metadata["task_id"], []).append(bool(t.metadata["success"]))
+    per_task = [pass_at_k(len(o), sum(o), min(samples, len(o))) for o in outcomes.values()]
+    key = f"pass_at_{samples}"
+    out.update(distributed.combine({key: float(np.mean(per_task)) if per_task else 0.0},
+                                   len(per_task)))
+  return out
 
 
 class RLTrainer:

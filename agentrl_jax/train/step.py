@@ -55,6 +55,7 @@ import optax
 from agentrl_jax import host_memory, losses, sharding
 from agentrl_jax.checks import check_fields
 from agentrl_jax.masked import masked_mean
+from agentrl_jax.models import decoder
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.trajectory import TokenBatch
 
@@ -131,7 +132,12 @@ def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.A
   model, hidden = _hidden(graphdef, params, batch)
   # The state at i - 1 predicts token i (an action never opens a sequence).
   states = jnp.take_along_axis(hidden, jnp.maximum(index - 1, 0)[..., None], axis=1)
-  out = losses.head_logprobs(model.logits, states,
+  head = model.logits
+  if model.cfg.remat:
+    # The head's weights cast per chunk, like the layers' (`decoder.after`):
+    # a vocabulary-sized cast lives for a chunk, not for the whole step.
+    head = lambda h: nnx.merge(graphdef, decoder.after(params, h)).logits(h)
+  out = losses.head_logprobs(head, states,
                              jnp.take_along_axis(batch.tokens, index, axis=1),
                              chunk=chunk, entropy=entropy, accuracy=accuracy)
   if values:
@@ -186,6 +192,30 @@ def _actions(batch: TokenBatch, weights: jax.Array, num_actions: int) -> _Action
 def _keep_if(ok: jax.Array, new, old):
   """`new` where the update is finite (ok), else `old`: a bad step changes nothing."""
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def _update(tx: optax.GradientTransformation, grads, opt_state, params, ok: jax.Array):
+  """(params, opt_state) after one `tx` step, or unchanged where not `ok`.
+
+  Each parameter is updated before its optimizer state: every state subtree
+  shaped like the parameters (AdamW's mu and nu), and the gradients, go
+  through `decoder.after` on the matching new parameter (an optimization
+  barrier would do, but XLA:CPU drops them). Both updates read the old
+  state (XLA recomputes e.g. AdamW's new moments inside the parameters'
+  update) and the state's own update overwrites it in place; in no set
+  order XLA copies every leaf's moments first, 2 float32 copies a
+  parameter at the step's peak (benchmarks/README.md, step_memory.py).
+  `tx`'s state update must not read the parameters (AdamW's does not): the
+  second call gets the new ones.
+  """
+  updates, _ = tx.update(grads, opt_state, params)
+  new_params = _keep_if(ok, optax.apply_updates(params, updates), params)
+  shape = jax.tree.structure(new_params)
+  like_params = lambda x: jax.tree.structure(x) == shape
+  after = lambda x: (jax.tree.map(decoder.after, x, new_params) if like_params(x) else x)
+  grads, later = after(grads), jax.tree.map(after, opt_state, is_leaf=like_params)
+  _, new_opt = tx.update(grads, later, new_params)  # its updates are unused
+  return new_params, _keep_if(ok, new_opt, opt_state)
 
 
 def _split(batch, n: int):
@@ -347,12 +377,9 @@ class RLStep:
       (loss, m, grads), _ = jax.lax.scan(micro_step, zeros, xs_all)
       ok = jnp.isfinite(loss) & (dropped == 0) & jnp.all(jnp.asarray(
           [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-      updates, new_opt = self.tx.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
       m = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads),
            "skipped_update": 1.0 - ok.astype(jnp.float32)}
-      carry = (_keep_if(ok, new_params, params), _keep_if(ok, new_opt, opt_state),
-               step + ok, skipped + (1 - ok))
+      carry = (*_update(self.tx, grads, opt_state, params, ok), step + ok, skipped + (1 - ok))
       return carry, m
 
     xs_all = (micro, acts, old, ref, weights, token_share, value_share)
@@ -396,10 +423,8 @@ class SFTStep:
 
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     ok = jnp.isfinite(loss) & (dropped == 0)
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    state = state.replace(params=_keep_if(ok, params, state.params),
-                          opt_state=_keep_if(ok, opt_state, state.opt_state),
+    params, opt_state = _update(self.tx, grads, state.opt_state, state.params, ok)
+    state = state.replace(params=params, opt_state=opt_state,
                           step=state.step + ok, skipped=state.skipped + (1 - ok))
     return state, {"sft_loss": loss, "token_accuracy": acc,
                    "grad_norm": optax.tree.norm(grads), "dropped_actions": dropped}

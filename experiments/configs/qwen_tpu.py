@@ -35,8 +35,9 @@ def get_config(arg="/models/Qwen2.5-0.5B-Instruct"):
   c.model.path = model_dir
   c.model.tokenizer = model_dir
   c.model.dtype = "bfloat16"  # compute; the masters stay float32
-  # Recompute each layer in the backward pass: the RL step's temporaries
-  # grow 0.15 GiB a layer instead of 0.73 at 4 x 1024 tokens on XLA:CPU
+  # Recompute each layer in the backward pass, casting its weights where it
+  # runs: the RL step's temporaries grow 0.11 GiB a layer instead of 0.72 at
+  # 4 x 1024 tokens in 4 micro-batches on XLA:CPU
   # (benchmarks/step_memory.py); a TPU is not measured.
   c.model.remat = True
   c.env.name = "search_qa_tools"
