@@ -10,8 +10,9 @@ turns and a box pushed into a corner early dooms it. The reward is the
 outcome alone (1.0 when the box is on its target) plus a format penalty
 for unparseable moves; GiGPO's anchors are the room states
 (`SokobanEnv.state_key`). The string after ':' picks the credit scheme
-(any registered name: grpo, turn_returns, gae, gigpo, ...). Not yet run to
-the end on this machine, so it states no expected result.
+(any registered name: grpo, turn_returns, gae, gigpo, ...). Measured so
+far (3 RL iterations, README "A long-horizon testbed"): SFT leaves held-out
+success at 0.125 greedy; a full run is yet to be made.
 """
 
 import os
