@@ -246,10 +246,9 @@ def run(cfg, workdir, explicit=()) -> dict | None:
         else None))
     if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards
       state = sharding.shard(state, sharding.param_shardings(state, mesh))
+    progress = {"phase": "rl", "iteration": 0, "sft_success": evaluate(0)["success"]}
     at_start = sampled()
-    progress = {"phase": "rl", "iteration": 0,
-                "sft_success": evaluate(0)["success"],
-                **{f"sft_{k}": v for k, v in at_start.items()}}
+    progress.update({f"sft_{k}": v for k, v in at_start.items()})
     log(0, {"success": progress["sft_success"], **at_start}, prefix="eval/")
     ckpt.save(0, state, progress)
   if primary:

@@ -183,8 +183,7 @@ def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
   trajectories: a list this process's episodes are appended to.
   policy_version: the version of the sampler's weights, recorded on the episodes.
   """
-  share = distributed.task_share(tasks)
-  result = engine.run(share, samples, temperature=temperature,
+  result = engine.run(distributed.task_share(tasks), samples, temperature=temperature,
                       seed=seed, isolated=True, policy_version=policy_version)
   if trajectories is not None:
     trajectories.extend(result.trajectories)

@@ -11,7 +11,7 @@ outcome alone (1.0 when the box is on its target) plus a format penalty
 for unparseable moves; GiGPO's anchors are the room states
 (`SokobanEnv.state_key`). The string after ':' picks the credit scheme
 (any registered name: grpo, turn_returns, gae, gigpo, ...). Measured so
-far (3 RL iterations, README "A long-horizon testbed"): SFT leaves held-out
+far (3 RL iterations, docs/results.md "Sokoban, a first look"): SFT leaves held-out
 success at 0.125 greedy; a full run is yet to be made.
 """
 
