@@ -10,8 +10,10 @@ from agentrl_jax import viewer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "credit_assignment.ipynb"
-SCHEMES = ("grpo", "drgrpo", "dapo", "rloo", "turn_returns", "gae", "branching", "gigpo",
-           "turn_rloo")  # the last one the notebook defines itself
+# The arms of the committed full run; the notebook now also runs "obs_loss".
+COMMITTED = ("grpo", "drgrpo", "dapo", "rloo", "turn_returns", "gae", "branching", "gigpo",
+             "turn_rloo")  # the last one the notebook defines itself
+ARMS = COMMITTED + ("obs_loss",)
 
 
 def _parameters_cell(nb):
@@ -35,8 +37,8 @@ def test_committed_notebook_holds_a_full_run():
   assert all(c.execution_count for c in code), "committed with outputs"
   assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
   table = next(c for c in code if "summary_table" in c.source)
-  for scheme in SCHEMES:
-    assert scheme in _text(table)
+  for name in COMMITTED:
+    assert name in _text(table)
   assert sum(_images(c) for c in code) >= 2, "the curves and the advantage heatmaps"
 
 
@@ -49,12 +51,14 @@ def test_notebook_executes_at_the_tiny_size(tmp_path):
                           resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
   code = [c for c in nb.cells if c.cell_type == "code"]
   table = _text(next(c for c in code if "summary_table" in c.source))
-  sampled = _text(next(c for c in code if "sampled_success" in c.source))
-  for scheme in SCHEMES:
-    assert scheme in table and scheme in sampled
+  sampled = _text(next(c for c in code if "held_out" in c.source))
+  for name in ARMS:
+    assert name in table and name in sampled
+  assert "pass@4" in table and "estimator" in table and "masking" in table
   assert _images(next(c for c in code if "ab.plot(results)" in c.source)) == 1
   assert _images(next(c for c in code if "plot_advantages" in c.source)) == 1
-  # The example episodes under every scheme, for the viewer, and its page.
+  # The example episodes under every estimator, for the viewer, and its
+  # page (the masking arm's advantages are grpo's).
   labels = {r["label"] for r in viewer.read_jsonl(tmp_path / "trajectories.jsonl")}
-  assert labels == set(SCHEMES)
+  assert labels == set(COMMITTED)
   assert (tmp_path / "trajectories.html").stat().st_size > 10_000

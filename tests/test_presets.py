@@ -41,14 +41,35 @@ def test_presets_set_estimator_aggregation_normaliser_filtering():
     presets.apply(base.get_config(), "ppo2")
 
 
-def test_ablation_arms_are_the_named_algorithms():
-  for scheme in credit_ablation.SCHEMES:
-    cfg = credit_ablation.config(scheme, 0, "tiny")
-    assert cfg.algorithm == (scheme if scheme in presets.PRESETS else "")
-    base.validate(cfg)
-  assert "dapo" in credit_ablation.SCHEMES  # dynamic sampling is an arm
-  cfg = presets.apply(credit_ablation.config("drgrpo", 0, "tiny"), "drgrpo")
-  assert cfg.loss.agg == "seq-mean-token-sum-norm" and cfg.loss.norm_constant > 0
+def test_ablation_arms_change_one_thing_against_grpo():
+  grpo = credit_ablation.config("grpo", 0, "tiny")
+  loss_fields = ("agg", "norm_constant", "clip_low", "clip_high")
+  for env in credit_ablation.ENVS:
+    for name in credit_ablation.ARM_NAMES:
+      cfg = credit_ablation.config(name, 0, "tiny", env)
+      base.validate(cfg)
+      comparison = credit_ablation.ARMS[name].comparison
+      if comparison in ("baseline", "estimator", "masking"):
+        # grpo's whole loss; only the estimator or the loss mask differs.
+        assert cfg.algorithm == "grpo" and not cfg.rl.filter_zero_variance
+        assert [cfg.loss[f] for f in loss_fields] == [
+            "seq-mean-token-mean", None, 0.2, 0.2], (env, name)
+        assert cfg.rl.observation_loss == (name == "obs_loss")
+        assert cfg.rl.credit == (name if comparison == "estimator" else "grpo")
+      else:  # a named algorithm: its preset, whole
+        assert cfg.algorithm == name and cfg.rl.credit == presets.PRESETS[name].credit
+      # What train_agent re-applies (the preset, keeping the arm's fields)
+      # changes nothing.
+      again = presets.apply(credit_ablation.config(name, 0, "tiny", env), cfg.algorithm,
+                            keep=credit_ablation.arm_fields(name))
+      assert again.to_dict() == cfg.to_dict()
+  assert credit_ablation.config("gae", 0, "tiny").loss.value_coef == 0.5
+  assert credit_ablation.config("drgrpo", 0, "tiny").loss.agg == "seq-mean-token-sum-norm"
+  assert credit_ablation.config("dapo", 0, "tiny").rl.max_refill_tasks == 2 * 2
+  assert grpo.rl.credit == "grpo" and grpo.env.name == "frozen_lake"
+  assert credit_ablation.config("turn_grpo", 0, "tiny").rl.credit == "turn_grpo"  # registered
+  with pytest.raises(ValueError, match="unknown arm 'nope'"):
+    credit_ablation.config("nope", 0, "tiny")
 
 
 def test_bootstrap_interval_of_the_mean_over_seeds():
@@ -68,6 +89,40 @@ def test_bootstrap_interval_of_the_mean_over_seeds():
   assert low > 0
   _, low, high = credit_ablation.bootstrap_mean([0.05, -0.04, 0.02, -0.06, 0.01, 0.03, -0.02, 0.0])
   assert low < 0 < high
+
+
+def test_interval_table_pairs_arms_with_grpo_on_each_seed(tmp_path):
+  # Hand-made runs of 3 arms on 3 seeds: greedy success from the metric
+  # rows (step 0 is the shared SFT start), T = 1 and pass@4 from summary.json.
+  greedy = {"grpo": [0.5, 0.6, 0.7], "gigpo": [0.6, 0.7, 0.8], "obs_loss": [0.4, 0.7, 0.6]}
+  results = {}
+  for name, values in greedy.items():
+    for seed, g in enumerate(values):
+      results[name, seed] = [{"step": 0, "eval/success": 0.3 + seed / 10},
+                             {"step": 30, "eval/success": g}]
+      for run in (name, "sft"):
+        (tmp_path / run / f"seed{seed}").mkdir(parents=True, exist_ok=True)
+      (tmp_path / name / f"seed{seed}" / "summary.json").write_text(json.dumps(
+          {"rl_success_sampled": g - 0.1, "rl_pass_at_4": g + 0.1}))
+      (tmp_path / "sft" / f"seed{seed}" / "summary.json").write_text(json.dumps(
+          {"sft_success_sampled": 0.2, "sft_pass_at_4": 0.5}))
+  rows = {r["arm"]: r for r in credit_ablation.interval_table(
+      tmp_path, results, pass_key="pass_at_4")}
+  assert [r["comparison"] for r in rows.values()] == ["start", "baseline", "estimator",
+                                                       "masking"]
+  np.testing.assert_allclose(rows["sft"]["greedy"][0], 0.4)
+  np.testing.assert_allclose(rows["grpo"]["pass"][0], 0.7)
+  # gigpo is grpo + 0.1 on every seed: the paired interval is that, exactly.
+  for kind in ("greedy", "t1", "pass"):
+    np.testing.assert_allclose(rows["gigpo"][f"{kind}_diff"], [0.1, 0.1, 0.1])
+    assert rows["gigpo"][f"{kind}_distinct"]
+  # obs_loss: -0.1, +0.1, -0.1 on the seeds: the interval holds 0.
+  diff = rows["obs_loss"]["greedy_diff"]
+  np.testing.assert_allclose(diff[0], -0.1 / 3)
+  assert diff[1] < 0 < diff[2] and not rows["obs_loss"]["greedy_distinct"]
+  assert "grpo_diff" not in rows["grpo"] and "greedy_diff" not in rows["grpo"]
+  text = credit_ablation.format_table(list(rows.values()))
+  assert "+0.100 [+0.100, +0.100]*" in text and "pass@k - grpo" in text
 
 
 def test_a_preset_sets_defaults_and_explicit_flags_win():

@@ -14,6 +14,7 @@ import random
 import types
 
 from flax import nnx
+import numpy as np
 import optax
 import pytest
 
@@ -24,6 +25,7 @@ from agentrl_jax.envs import Task, TextEnvironment
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
 from agentrl_jax.train import credit, rl, sft
+from agentrl_jax.trajectory import TokenBatch
 
 LABELS = ("left", "right")
 
@@ -246,3 +248,42 @@ def test_evaluate_reports_pass_at_k_over_tasks():
   assert m["pass_at_4"] == pytest.approx(0.5)
   assert m["success"] == pytest.approx(1 / 7)  # avg@4 over the recorded episodes
   assert "pass_at_1" not in rl.evaluate(Engine(), ["a", "b"], samples=1)
+
+
+def test_observation_credit_by_hand():
+  # One row packs two episodes, then padding. Episode 0: prompt p p, action
+  # a a (advantage 0.5), observation o o, action a (0.5), observation o;
+  # episode 1: prompt p, action a (-1.0), observation o.
+  seq = np.array([[0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1]], np.int32)
+  mask = np.array([[0, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0]], np.float32)
+  adv = np.where(mask > 0, np.where(seq == 0, 0.5, -1.0), 0.0).astype(np.float32)
+  zeros = np.zeros_like(seq)
+  batch = TokenBatch(tokens=zeros, loss_mask=mask, old_logprobs=mask * -0.3,
+                     advantages=adv, turn_index=zeros - 1, seq_ids=seq, positions=zeros,
+                     returns=mask * 0)
+  out, added = rl.observation_credit(batch)
+  # Each observation token after its episode's first action joins the loss
+  # with the advantage of the action before it; prompts and padding do not.
+  np.testing.assert_array_equal(added[0], [0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 0])
+  np.testing.assert_array_equal(out.loss_mask[0], [0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0])
+  np.testing.assert_array_equal(out.advantages[0],
+                                [0, 0, .5, .5, .5, .5, .5, .5, 0, -1, -1, 0])
+  np.testing.assert_array_equal(out.old_logprobs, batch.old_logprobs)  # the caller's
+
+
+def test_observation_loss_trains_on_observations_with_the_trainers_old_logprobs():
+  tasks = LookupEnv.tasks("train", 2, 0)
+  masked = _trainer({}, {}).iteration(tasks, 1)
+  trainer = _trainer({}, {"observation_loss": True})
+  m = trainer.iteration(tasks, 1, record=True)
+  # The same episodes (same seed, same weights), more tokens in the loss.
+  assert m["rollout/action_tokens_mean"] == masked["rollout/action_tokens_mean"]
+  assert m["train/batch_tokens"] > masked["train/batch_tokens"] + 2 * m["rollout/episodes"]
+  batch = trainer.recorded.batch
+  actions_only = batch.replace(loss_mask=(batch.turn_index >= 0).astype(np.float32))
+  np.testing.assert_array_equal(batch.loss_mask,
+                                rl.observation_credit(actions_only)[0].loss_mask)
+  # The added tokens' old log-probs are the trainer's, so the ratio starts
+  # at 1 there: the rollout-vs-trainer gap stays what it is on actions
+  # (old log-probs of 0 would put it at -log p of an observation token).
+  assert m["train/logprob_gap_max_abs"] < 1e-3 and m["train/skipped_updates"] == 0

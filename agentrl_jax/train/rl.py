@@ -103,6 +103,10 @@ class RLConfig:
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
   mask_truncated: bool = False
+  # The observation-masking ablation (Search-R1's "without masking"): the
+  # policy loss also covers every environment-written token after an
+  # episode's first action (`observation_credit`). False: actions only.
+  observation_loss: bool = False
 
   def __post_init__(self):
     check_fields(self, [
@@ -131,6 +135,30 @@ class Recorded:
   trajectories: list[Trajectory]
   batch: TokenBatch
   trainer_logprobs: np.ndarray
+
+
+def observation_credit(batch: TokenBatch) -> tuple[TokenBatch, np.ndarray]:
+  """`batch` with its observation tokens in the policy loss (the ablation
+  `RLConfig.observation_loss`): every non-action token of an episode after
+  its first action (environment output and the chat template's turn
+  markers) joins the loss mask with the advantage of the action token
+  before it, the turn whose action it answers. The prompt before the first
+  action stays out, as it does for SFT. Returns the batch and the [B, L]
+  bool mask of the tokens added; their old log-probs are left for the
+  caller (the sampler never sampled them).
+  """
+  real = batch.seq_ids >= 0
+  action = (batch.loss_mask > 0) & real
+  rows = np.arange(action.shape[0])[:, None]
+  # The position of the latest action token at or before each token.
+  last = np.maximum.accumulate(
+      np.where(action, np.arange(action.shape[1])[None, :], -1), axis=1)
+  before = np.maximum(last, 0)
+  added = real & ~action & (last >= 0) & (batch.seq_ids[rows, before] == batch.seq_ids)
+  return batch.replace(
+      loss_mask=np.where(added, 1.0, batch.loss_mask).astype(np.float32),
+      advantages=np.where(added, batch.advantages[rows, before],
+                          batch.advantages).astype(np.float32)), added
 
 
 def curriculum_pool(tasks: Sequence[Task], schedule: Sequence[tuple[int, Sequence[int]]],
@@ -277,6 +305,8 @@ class RLTrainer:
     batch = (collate(trajs, buckets=(length,), num_rows=num_rows) if trajs
              else _padding_batch(num_rows, length))
     batch, outcome_advantages = self._assign(batch, outcomes, trajs, tasks, it, metrics)
+    if cfg.observation_loss:  # the observation tokens joined the loss
+      most_actions = max(int(most_actions), self._most_in_loss(batch))
     if record:
       num = losses.action_bucket(int(most_actions), length)
       self.recorded = Recorded(trajs, batch, distributed.local_rows(self._logprobs(
@@ -310,6 +340,11 @@ class RLTrainer:
           "gradient; stopping (lower the learning rate or check the rewards)")
     metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
     return metrics
+
+  def _most_in_loss(self, batch: TokenBatch) -> int:
+    """The most loss tokens in a row of any process's batch."""
+    most, = distributed.agree_max([int(batch.loss_mask.sum(axis=1).max(initial=0))])
+    return int(most)
 
   def _to_global(self, batch: TokenBatch):
     return distributed.global_batch(batch, self._rows)
@@ -375,6 +410,12 @@ class RLTrainer:
     outcome_advantages = (credited(outcomes, branches).advantages
                           if cfg.filter_zero_variance and trajs is not outcomes
                           else out.advantages)
+    if cfg.observation_loss:
+      out, added = observation_credit(out)
+      lp = distributed.local_rows(self._logprobs(
+          self.state.params, self._to_global(out),
+          losses.action_bucket(self._most_in_loss(out), out.tokens.shape[1])))
+      out = out.replace(old_logprobs=np.where(added, np.asarray(lp), out.old_logprobs))
     if cfg.mask_truncated:
       truncated = np.asarray([t.truncated for t in trajs] + [False])  # [-1]: padding
       out = out.replace(loss_mask=np.where(truncated[out.seq_ids], 0.0,

@@ -182,7 +182,9 @@ def _actions(batch: TokenBatch, weights: jax.Array, num_actions: int) -> _Action
                                          num_actions)
   before = jnp.maximum(index - 1, 0)
   at = lambda x, i=index: jnp.where(valid, jnp.take_along_axis(x, i, axis=1), 0.0)
-  first = valid & (at(batch.turn_index, before) != at(batch.turn_index))
+  # (An observation token in the loss, `observation_loss`, starts no turn.)
+  first = valid & (at(batch.turn_index) >= 0) & (at(batch.turn_index, before)
+                                                 != at(batch.turn_index))
   return _Actions(index=index, mask=valid.astype(jnp.float32),
                   old_logprobs=at(batch.old_logprobs), advantages=at(batch.advantages),
                   weights=at(weights), first=first.astype(jnp.float32),

@@ -40,4 +40,8 @@ def get_config(scheme="grpo"):
   if scheme == "gae":
     c.loss.value_coef = 0.5
   c.env.num_eval_tasks = 64
+  # What the first look ran with (default.py's values then).
+  c.sft.steps = 150
+  c.rl_optim.learning_rate = 5e-5
+  c.loss.ppo_epochs = 1
   return c
