@@ -25,6 +25,7 @@ from agentrl_jax.envs import Task, TextEnvironment
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
 from agentrl_jax.train import credit, rl, sft
+from agentrl_jax.train import step as step_lib
 from agentrl_jax.trajectory import TokenBatch
 
 LABELS = ("left", "right")
@@ -250,17 +251,23 @@ def test_evaluate_reports_pass_at_k_over_tasks():
   assert "pass_at_1" not in rl.evaluate(Engine(), ["a", "b"], samples=1)
 
 
-def test_observation_credit_by_hand():
-  # One row packs two episodes, then padding. Episode 0: prompt p p, action
-  # a a (advantage 0.5), observation o o, action a (0.5), observation o;
-  # episode 1: prompt p, action a (-1.0), observation o.
+def _packed_episodes() -> TokenBatch:
+  """One row packs two episodes, then padding. Episode 0: prompt p p,
+  action a a (turn 0, advantage 0.5), observation o o, action a (turn 1,
+  0.5), observation o; episode 1: prompt p, action a (turn 0, -1.0),
+  observation o."""
   seq = np.array([[0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1]], np.int32)
-  mask = np.array([[0, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0]], np.float32)
+  turn = np.array([[-1, -1, 0, 0, -1, -1, 1, -1, -1, 0, -1, -1]], np.int32)
+  mask = (turn >= 0).astype(np.float32)
   adv = np.where(mask > 0, np.where(seq == 0, 0.5, -1.0), 0.0).astype(np.float32)
   zeros = np.zeros_like(seq)
-  batch = TokenBatch(tokens=zeros, loss_mask=mask, old_logprobs=mask * -0.3,
-                     advantages=adv, turn_index=zeros - 1, seq_ids=seq, positions=zeros,
-                     returns=mask * 0)
+  return TokenBatch(tokens=zeros, loss_mask=mask, old_logprobs=mask * -0.3,
+                    advantages=adv, turn_index=turn, seq_ids=seq, positions=zeros,
+                    returns=mask * 0)
+
+
+def test_observation_credit_by_hand():
+  batch = _packed_episodes()
   out, added = rl.observation_credit(batch)
   # Each observation token after its episode's first action joins the loss
   # with the advantage of the action before it; prompts and padding do not.
@@ -269,6 +276,17 @@ def test_observation_credit_by_hand():
   np.testing.assert_array_equal(out.advantages[0],
                                 [0, 0, .5, .5, .5, .5, .5, .5, 0, -1, -1, 0])
   np.testing.assert_array_equal(out.old_logprobs, batch.old_logprobs)  # the caller's
+
+
+def test_observation_tokens_in_the_loss_start_no_turn():
+  # The value head trains where a turn's first action token is: with the
+  # observations in the loss, still only there (positions 2, 6 and 9).
+  out, _ = rl.observation_credit(_packed_episodes())
+  weights = np.ones_like(out.loss_mask)
+  acts = step_lib._actions(out, weights, 12)  # pylint: disable=protected-access
+  first = np.zeros(12)
+  first[np.asarray(acts.index)[0][np.asarray(acts.first)[0] > 0]] = 1
+  np.testing.assert_array_equal(first, [0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0])
 
 
 def test_observation_loss_trains_on_observations_with_the_trainers_old_logprobs():
