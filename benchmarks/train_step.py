@@ -10,8 +10,8 @@ Two sizes, each on the same random weights and batch in both frameworks:
 Ours: `train.RLStep` (token-mean clipped surrogate, k3 KL to a frozen
 reference with beta 0.02, AdamW, global-norm clipping), jitted, state
 donated; timed with `behaviour_forward=False`, the baseline's work (it takes
-the sampler's log-probs as the behaviour ones), and with the default (one
-more forward, for the gap metrics and TIS). Baseline: the reference text's
+the sampler's log-probs as the behaviour ones), and with the default (the
+entropy and sampler-vs-trainer gap metrics). Baseline: the reference text's
 `agentic_grpo_step` loss (shifted masked clipped surrogate + k3 KL,
 reference forward under no_grad) on transformers' PyTorch
 `LlamaForCausalLM` with the same config, batch, optimizer and clipping,

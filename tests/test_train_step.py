@@ -125,6 +125,26 @@ def test_logprob_gap_and_truncated_importance_sampling(model):
     np.testing.assert_allclose(a, np.exp(-0.5) * b, rtol=1e-3, atol=1e-7)
 
 
+def test_later_ppo_epochs_keep_the_first_epochs_behaviour_logprobs(model):
+  # The behaviour log-probs come from the first epoch's forward; later
+  # epochs must compare against them, not against the moved policy. With
+  # the sampler exact, TIS (ratios against the trainer's behaviour, weights
+  # 1) then takes the same two updates as plain PPO on the sampler's.
+  batch = _batch(4)
+  lp = np.asarray(losses.token_logprobs(model(batch.tokens, batch.positions, batch.seq_ids),
+                                        batch.tokens))
+  exact = batch.replace(old_logprobs=np.where(batch.loss_mask > 0, lp, 0.0))
+  tx = optax.sgd(3.0)
+  _, plain, _, _ = _run(model, train.LossConfig(ppo_epochs=2), exact, tx=tx)
+  _, tis, _, _ = _run(model, train.LossConfig(ppo_epochs=2, is_correction="tis"), exact, tx=tx)
+  _, one, _, _ = _run(model, train.LossConfig(ppo_epochs=1), exact, tx=tx)
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), plain.params,
+                                       one.params))
+  assert max(moved) > 1e-2  # the second epoch's ratios are far from 1
+  for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(tis.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_value_loss_trains_the_value_head_at_turn_starts():
   model = models.Decoder(models.tiny_config("llama", vocab_size=64, value_head=True),
                          rngs=nnx.Rngs(0))

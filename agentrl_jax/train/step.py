@@ -3,12 +3,13 @@
 `RLStep(graphdef, tx, cfg)` is `train_step(state, batch) -> (state,
 metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
 
-  1. recompute the behaviour log-probs with the trainer (no grad) and log
-     the rollout-vs-trainer gap (`behaviour_forward`); reference log-probs
-     for the KL term;
+  1. reference log-probs for the KL term (no grad);
   2. for each of `ppo_epochs`: accumulate gradients over `micro_batches`
      (lax.scan), then one optax update, skipped if the loss or any gradient
-     is non-finite.
+     is non-finite. The first epoch's forward runs before any update, so
+     its log-probs are also the trainer's behaviour log-probs: carried to
+     later epochs, used by "tis", and compared with the sampler's
+     (`behaviour_forward`: the gap and entropy metrics).
 
 Gradient accumulation is exact: the aggregation weights of every token
 (`losses.aggregation_weights`: 1 / action tokens for "token-mean", 1 /
@@ -28,12 +29,10 @@ array is formed; agentic batches are mostly observation tokens. The value
 head reads the same gathered states: the state before a turn's first
 action token is that turn's decision state, where V(s_t) trains.
 
-Each forward costs the same: with `kl_beta > 0` one of the reference, with
-`behaviour_forward` one of the policy without grad (the trainer's own
-log-probs of the sampled tokens: needed for "tis" and the gap metrics), and
-one with grad per PPO epoch. Turn `behaviour_forward` off when the sampler
-ran the parameters being trained (no logging of the gap): the sampler's
-log-probs then serve as the behaviour ones.
+A step runs one forward with grad per PPO epoch, plus one of the
+reference without grad when `kl_beta > 0`. `behaviour_forward` adds no
+forward, only the entropy over the vocabulary at each action position for
+its metrics; turned off, nothing compares the sampler with the trainer.
 
 Importance ratios use the sampler's rollout log-probs (`is_correction=
 "none"`), or, with "tis", the trainer's recomputed ones times truncated
@@ -77,7 +76,8 @@ class LossConfig:
   tis_cap: float = 2.0
   ppo_epochs: int = 1
   micro_batches: int = 1
-  # The trainer's own behaviour log-probs (one forward): "tis" and gap metrics.
+  # The trainer's behaviour log-probs, from the first epoch's forward: "tis"
+  # and the sampler-vs-trainer gap and entropy metrics.
   behaviour_forward: bool = True
   head_chunk: int = 1024  # positions whose [., V] logits exist at once
 
@@ -310,38 +310,30 @@ class RLStep:
     lp_of = lambda params, xs: action_heads(self.graphdef, params, xs[0], xs[1].index,
                                             chunk=cfg.head_chunk)["logprobs"]
 
-    # -- 1. Behaviour log-probs under the trainer; reference log-probs. --------
+    # -- 1. Reference log-probs. ------------------------------------------------------
     rollout, mask = acts.old_logprobs, acts.mask
-    metrics = {}
-    if cfg.behaviour_forward:
-      behaviour = jax.lax.map(lambda xs: action_heads(
-          self.graphdef, state.params, xs[0], xs[1].index, chunk=cfg.head_chunk,
-          entropy=True), (micro, acts))
-      trainer_old = behaviour["logprobs"]
-      gap = jnp.where(mask > 0, trainer_old - rollout, 0.0)
-      metrics = {
-          # The policy's entropy on the sampled states, before the update.
-          "policy_entropy": masked_mean(behaviour["entropy"], mask),
-          "logprob_gap_mean_abs": masked_mean(jnp.abs(gap), mask),
-          "logprob_gap_max_abs": jnp.max(jnp.abs(gap)),
-          # k3 estimate of KL(sampler || trainer) from the sampler's tokens.
-          "logprob_gap_kl": masked_mean(losses.kl_penalty(rollout, trainer_old, "k3"), mask),
-      }
     ref = (jax.lax.map(lambda xs: lp_of(state.ref_params, xs), (micro, acts))
            if cfg.kl_beta > 0 else jnp.zeros_like(rollout))
-    if cfg.is_correction == "tis":
-      old, weights = trainer_old, jnp.minimum(jnp.exp(gap), cfg.tis_cap)
-    else:
-      old, weights = rollout, jnp.ones_like(rollout)
     tokens = jnp.sum(mask, axis=(1, 2))
     token_share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     decisions = jnp.sum(acts.first, axis=(1, 2))
     value_share = decisions / jnp.maximum(jnp.sum(decisions), 1.0)
+    tis = cfg.is_correction == "tis"
 
-    def loss_fn(params, mb, act, old, ref, weights, token_share, value_share):
+    def loss_fn(params, mb, act, ref, token_share, value_share, behaviour, first):
       out = action_heads(self.graphdef, params, mb, act.index, chunk=cfg.head_chunk,
-                         entropy=cfg.entropy_coef > 0, values=cfg.value_coef > 0)
+                         entropy=cfg.entropy_coef > 0 or cfg.behaviour_forward,
+                         values=cfg.value_coef > 0)
       lp = out["logprobs"]
+      # The behaviour log-probs are the first epoch's own forward: no update
+      # has happened yet, so it computes what a separate forward would.
+      behaviour = jnp.where(first, jax.lax.stop_gradient(lp), behaviour)
+      if tis:
+        old = behaviour
+        weights = jnp.minimum(jnp.exp(jnp.where(act.mask > 0, behaviour - act.old_logprobs,
+                                                0.0)), cfg.tis_cap)
+      else:
+        old, weights = act.old_logprobs, jnp.ones_like(lp)
       pg, m = losses.policy_loss(
           lp, old, act.advantages, act.mask, clip_low=cfg.clip_low,
           clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=weights,
@@ -360,36 +352,50 @@ class RLStep:
         m["value_loss"] = value_share * masked_mean(
             jnp.square(out["values"] - act.returns), act.first)
         loss = loss + cfg.value_coef * m["value_loss"]
-      return loss, m
+      entropy = (jax.lax.stop_gradient(out["entropy"]) if cfg.behaviour_forward
+                 else jnp.zeros_like(lp))
+      return loss, (m, behaviour, entropy)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     # -- 2. PPO epochs of exact gradient accumulation. -----------------------------
-    def epoch(carry, _):
-      params, opt_state, step, skipped = carry
+    def epoch(carry, first):
+      params, opt_state, step, skipped, behaviour = carry
+      xs_all = (micro, acts, ref, token_share, value_share, behaviour)
 
       def micro_step(acc, xs):
-        (loss, m), g = grad_fn(params, *xs)
+        (loss, (m, lp, ent)), g = grad_fn(params, *xs, first)
         acc_loss, acc_m, acc_g = acc
         acc_m = {k: jnp.maximum(acc_m[k], v) if k.endswith("_max") else acc_m[k] + v
                  for k, v in m.items()}
-        return (acc_loss + loss, acc_m, jax.tree.map(jnp.add, acc_g, g)), None
+        return (acc_loss + loss, acc_m, jax.tree.map(jnp.add, acc_g, g)), (lp, ent)
 
       zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-          lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], xs_all))))
-      zeros = (zeros[0][0], zeros[0][1], zeros[1])
-      (loss, m, grads), _ = jax.lax.scan(micro_step, zeros, xs_all)
+          lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], xs_all), first)))
+      zeros = (zeros[0][0], zeros[0][1][0], zeros[1])
+      (loss, m, grads), (behaviour, entropy) = jax.lax.scan(micro_step, zeros, xs_all)
       ok = jnp.isfinite(loss) & (dropped == 0) & jnp.all(jnp.asarray(
           [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
       m = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads),
            "skipped_update": 1.0 - ok.astype(jnp.float32)}
-      carry = (*_update(self.tx, grads, opt_state, params, ok), step + ok, skipped + (1 - ok))
+      if cfg.behaviour_forward:
+        gap = jnp.where(mask > 0, behaviour - rollout, 0.0)
+        m.update({
+            # The policy's entropy on the sampled states, before the update.
+            "policy_entropy": masked_mean(entropy, mask),
+            "logprob_gap_mean_abs": masked_mean(jnp.abs(gap), mask),
+            "logprob_gap_max_abs": jnp.max(jnp.abs(gap)),
+            # k3 estimate of KL(sampler || trainer) from the sampler's tokens.
+            "logprob_gap_kl": masked_mean(losses.kl_penalty(rollout, behaviour, "k3"), mask),
+        })
+      carry = (*_update(self.tx, grads, opt_state, params, ok), step + ok, skipped + (1 - ok),
+               behaviour)
       return carry, m
 
-    xs_all = (micro, acts, old, ref, weights, token_share, value_share)
-    (params, opt_state, step, skipped), per_epoch = jax.lax.scan(
-        epoch, (state.params, state.opt_state, state.step, state.skipped), None,
-        length=cfg.ppo_epochs)
+    (params, opt_state, step, skipped, _), per_epoch = jax.lax.scan(
+        epoch, (state.params, state.opt_state, state.step, state.skipped,
+                jnp.zeros_like(rollout)), jnp.arange(cfg.ppo_epochs) == 0)
+    metrics = {}
     metrics.update({k: v[0] for k, v in per_epoch.items()})  # first epoch: on-policy
     metrics["skipped_updates"] = jnp.sum(per_epoch["skipped_update"])
     metrics["dropped_actions"] = dropped
