@@ -6,8 +6,9 @@ import random
 import pytest
 
 from agentrl_jax import envs
+from agentrl_jax import tokenizer as T
 from agentrl_jax.envs.base import REWARD_PARTS, Task, hashed_split
-from agentrl_jax.envs.sokoban import SokobanEnv, parse, random_room, solve
+from agentrl_jax.envs.sokoban import SokobanEnv, draw, parse, random_room, solve
 
 # P at (1,1), the box at (2,2), the target at (3,4) (0-based). Shortest: 6
 # moves; 3 pushes, 1 walk to the first pushing side and 2 to turn the corner
@@ -25,7 +26,7 @@ STUCK = ("######",
          "######")
 # Two boxes; one starts on its target at (1,2), the other target is (1,4).
 TWO = ("#######",
-       "#P√_O_#",
+       "#P*_O_#",
        "#__X__#",
        "#_____#",
        "#######")
@@ -41,9 +42,45 @@ def moves(env, words):
 
 def test_render_by_hand():
   obs, info = SokobanEnv().reset(task(ROOM))
-  assert obs == ("Push.\n\n# # # # # #\n# P _ _ _ #\n# _ X _ _ #\n# _ _ _ O #\n"
-                 "# # # # # #\nYou are at row 2, column 2.")
+  assert obs == "Push.\n\n" + "\n".join(ROOM) + "\nYou are at row 2, column 2."
   assert info["state_key"] == ((1, 1), ((2, 2),))
+
+
+def test_parse_and_draw_are_inverse():
+  # Every symbol: S the player on a target, * a box on one, X and O.
+  room = ("#######",
+          "#S_X_##",
+          "#_*_O_#",
+          "#######")
+  walls, targets, player, boxes = parse(room)
+  assert player == (1, 1) and targets == {(1, 1), (2, 2), (2, 4)}
+  assert boxes == {(1, 3), (2, 2)} and len(walls) == 7 + 3 + 2 + 7
+  assert draw(walls, targets, player, boxes, (4, 7)) == room
+  for r in (ROOM, STUCK, TWO):
+    assert draw(*parse(r), (len(r), len(r[0]))) == r
+
+
+def test_a_turn_costs_one_token_a_cell():
+  """With the bundled tokenizer each cell and newline of the room is one
+  token, so a turn of ROOM (5 x 6) in the react format is 57 tokens: the
+  move 3 (<move>, down, </move>), "\\n<observation>" 2, "You moved down." 4,
+  "\\n\\n" 2, the room 5 * 6 + 4 = 34, "\\n" 1, "You are at row 3,
+  column 2." 9, "</observation>\\n" 2."""
+  tok, fmt = T.load_tokenizer(), T.get_format("react")
+
+  def count(text):
+    return len(tok.encode(text, add_special_tokens=False))
+
+  for r in (ROOM, STUCK, TWO, ("#####", "#S*X#", "#O__#", "#####")):
+    assert count("\n".join(r)) == len(r) * len(r[0]) + len(r) - 1
+  env = SokobanEnv()
+  env.reset(task(ROOM))
+  action = "<move>down</move>"
+  obs = env.step(action).observation
+  assert obs == ("You moved down.\n\n######\n#____#\n#PX__#\n#___O#\n######\n"
+                 "You are at row 3, column 2.")
+  prompt = fmt.prompt_text("Sokoban.", "Push.")
+  assert count(fmt.render("Sokoban.", "Push.", [action], [obs])) - count(prompt) == 57
 
 
 def test_push_onto_the_target_solves():
@@ -51,15 +88,15 @@ def test_push_onto_the_target_solves():
   env.reset(task(ROOM))
   *walk, last = moves(env, ["down", "right", "right", "up", "right", "down"])
   assert [r.observation.split("\n")[0] for r in walk] == [
-      "You moved down.", "You pushed the box right.", "You pushed the box right.",
+      "You moved down.", "You pushed right.", "You pushed right.",
       "You moved up.", "You moved right."]
   assert not any(r.terminated or r.info["success"] for r in walk)
   assert last.terminated and not last.truncated and last.info["success"]
   assert last.info["reward_parts"] == {"outcome": 1.0, "format": 0.0, "cost": -0.01,
                                        "process": 0.0}
-  assert last.observation == ("You pushed the box down. All boxes are on targets!\n\n"
-                              "# # # # # #\n# _ _ _ _ #\n# _ _ _ P #\n# _ _ _ √ #\n"
-                              "# # # # # #\nYou are at row 3, column 5.")
+  assert last.observation == ("You pushed down. All boxes are on targets!\n\n"
+                              "######\n#____#\n#___P#\n#___*#\n"
+                              "######\nYou are at row 3, column 5.")
   assert env.step("<move>up</move>").observation == envs.EPISODE_OVER
 
 
@@ -67,13 +104,13 @@ def test_walls_and_blocked_boxes():
   env = SokobanEnv()
   env.reset(task(STUCK))
   up = env.step("<move>up</move>")  # the outer wall: the player stays
-  assert up.observation.startswith("You tried to move up into a wall. You did not move.")
+  assert up.observation.startswith("You hit a wall.\n")
   assert "You are at row 2, column 3." in up.observation and up.reward == 0
   right, push = moves(env, ["right", "right"])
   assert "row 2, column 4." in right.observation
   # The wall behind the box: neither the box nor the player moves.
-  assert push.observation.startswith("You tried to push the box right. The box did not move.")
-  assert "# _ _ P X #" in push.observation and "row 2, column 4." in push.observation
+  assert push.observation.startswith("The box did not move.\n")
+  assert "\n#__PX#\n" in push.observation and "row 2, column 4." in push.observation
   assert push.info["state_key"] == right.info["state_key"] == ((1, 3), ((1, 4),))
   assert push.info["deadlock"] and not push.terminated  # off by default
 
@@ -96,11 +133,11 @@ def test_malformed_actions():
 def test_box_reward_on_and_off_targets():
   env = SokobanEnv(box_reward=0.25)
   obs, _ = env.reset(task(TWO))
-  assert "# P √ _ O _ #\n# _ _ X _ _ #" in obs
+  assert "#P*_O_#\n#__X__#" in obs
   off, on = moves(env, ["right", "right"])
-  assert "# _ S X O _ #" in off.observation  # the player on the target it emptied
+  assert "#_SXO_#" in off.observation  # the player on the target it emptied
   assert off.info["reward_parts"]["process"] == -0.25 and off.info["boxes_on_target"] == 0
-  assert "# _ O P √ _ #" in on.observation
+  assert "#_OP*_#" in on.observation
   assert on.info["reward_parts"]["process"] == 0.25 and on.info["boxes_on_target"] == 1
   assert not on.terminated and on.info["reward_parts"]["outcome"] == 0.0
 
@@ -212,6 +249,6 @@ def test_contract_and_registry():
   env = envs.make("sokoban", box_reward=0.1)
   assert isinstance(env, SokobanEnv) and env.box_reward == 0.1
   spec = envs.check(env, need_tasks=True, need_expert=True)
-  assert spec.stop_strings == ("</move>",) and "√ box on a target" in spec.system_prompt
+  assert spec.stop_strings == ("</move>",) and "* box on a target" in spec.system_prompt
   with pytest.raises(ValueError, match="known"):
     SokobanEnv.tasks("validation", 1, 0)

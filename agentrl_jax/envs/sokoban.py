@@ -1,11 +1,14 @@
 """Sokoban as text: RAGEN's long-horizon, sparse-reward puzzle.
 
-Each turn the room is drawn as rows of # wall, _ floor, O target, X box,
-√ box on a target, P player, S player on a target (RAGEN's symbols), plus
-"You are at row r, column c." (1-based, row 1 at the top). The agent answers
-`<move>left|down|right|up</move>`; walking into a box pushes it when the cell
-behind it is free. Boxes cannot be pulled, so one careless push (into a
-corner, say) can doom the episode many turns before it ends.
+Each turn the room is drawn as rows of symbols with no spaces between them
+(as RAGEN draws it): # wall, _ floor, O target, X box, * box on a target,
+P player, S player on a target (RAGEN's symbols, but * where RAGEN has the
+multibyte √, so that every cell is one token of the bundled tokenizer and a
+column is a token offset), then "You are at row r, column c." (1-based, row
+1 at the top). The agent answers `<move>left|down|right|up</move>`; walking
+into a box pushes it when the cell behind it is free. Boxes cannot be
+pulled, so one careless push (into a corner, say) can doom the episode many
+turns before it ends.
 
 Rooms are made by gym-sokoban's reverse play (boxes start on their targets
 and the player pulls them away; here by a random walk, where gym-sokoban and
@@ -39,7 +42,7 @@ def parse(room: Sequence[str]) -> tuple[frozenset, frozenset, Cell, frozenset]:
   """(walls, targets, player, boxes) of a room drawn in the symbols above."""
   cells = [((r, c), ch) for r, row in enumerate(room) for c, ch in enumerate(row)]
   walls, targets, boxes = (frozenset(cell for cell, ch in cells if ch in symbols)
-                           for symbols in ("#", "O√S", "X√"))
+                           for symbols in ("#", "O*S", "X*"))
   (player,) = (cell for cell, ch in cells if ch in "PS")
   return walls, targets, player, boxes
 
@@ -51,7 +54,7 @@ def draw(walls: frozenset, targets: frozenset, player: Cell, boxes: frozenset,
     if cell in walls:
       return "#"
     if cell in boxes:
-      return "√" if cell in targets else "X"
+      return "*" if cell in targets else "X"
     if cell == player:
       return "S" if cell in targets else "P"
     return "O" if cell in targets else "_"
@@ -153,7 +156,7 @@ class SokobanEnv(TextEnvironment):
 
   system_prompt = (
       "You solve a Sokoban puzzle drawn as a grid: # wall, _ floor, O target, "
-      "X box, √ box on a target, P you, S you on a target. Row 1 is the top "
+      "X box, * box on a target, P you, S you on a target. Row 1 is the top "
       "row and column 1 the leftmost. Push every box onto a target. Walking "
       "into a box pushes it one cell if the cell behind it is floor or a "
       "target; boxes cannot be pulled, so a box pushed into a corner is stuck "
@@ -209,7 +212,7 @@ class SokobanEnv(TextEnvironment):
     def policy(observation: str) -> str:
       where = list(POSITION.finditer(observation))[-1]
       rows = observation[:where.start()].splitlines()[-height:]
-      _, _, player, boxes = parse(["".join(row.split()) for row in rows])
+      _, _, player, boxes = parse(rows)
       solution = solve(walls, targets, player, boxes)
       return f"<move>{solution[0] if solution else 'up'}</move>"
 
@@ -230,12 +233,14 @@ class SokobanEnv(TextEnvironment):
     player, boxes = _push(self._walls, self._player, self._boxes, move)
     dr, dc = DELTAS[move]
     ahead = (self._player[0] + dr, self._player[1] + dc)
+    # Short messages: the room redrawn below says the rest, and every token
+    # of an observation is paid for again on each later turn.
     if boxes != self._boxes:
-      message = f"You pushed the box {word}."
+      message = f"You pushed {word}."
     elif ahead in self._boxes:
-      message = f"You tried to push the box {word}. The box did not move."
+      message = "The box did not move."
     elif player == self._player:
-      message = f"You tried to move {word} into a wall. You did not move."
+      message = "You hit a wall."
     else:
       message = f"You moved {word}."
     self._player, self._boxes = player, boxes
@@ -259,4 +264,4 @@ class SokobanEnv(TextEnvironment):
   def _render(self) -> str:
     rows = draw(self._walls, self._targets, self._player, self._boxes, self._shape)
     r, c = self._player
-    return "\n".join(" ".join(row) for row in rows) + f"\nYou are at row {r + 1}, column {c + 1}."
+    return "\n".join(rows) + f"\nYou are at row {r + 1}, column {c + 1}."
