@@ -252,14 +252,16 @@ def plot(results: dict, path=None):
 def summary_table(results: dict) -> list[dict]:
   """Per arm, mean over seeds: held-out greedy success at the SFT start and
   at the end (with its std), rollout success (T=1, the same training tasks
-  for every arm) over the first and last `window` iterations, and cost."""
+  for every arm) over the first and last 10 iterations (a third of the
+  iterations when there are fewer than 30, so the windows never overlap),
+  and cost."""
   rows = []
-  window = 10
   for name in dict.fromkeys(s for s, _ in results):
     runs = [rows_ for (s, _), rows_ in results.items() if s == name]
     start = [next(r["eval/success"] for r in run if r["step"] == 0) for run in runs]
     final = [[r for r in run if "eval/success" in r][-1]["eval/success"] for run in runs]
     rollout = [[r["rollout/success_frac"] for r in run if r["step"] > 0] for run in runs]
+    window = max(1, min(10, min(map(len, rollout)) // 3))
     rows.append({
         "arm": name, "seeds": len(runs),
         "sft_success": float(np.mean(start)), "final_success": float(np.mean(final)),

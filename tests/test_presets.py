@@ -127,6 +127,19 @@ def test_interval_table_pairs_arms_with_grpo_on_each_seed(tmp_path):
   assert "+0.100 [+0.100, +0.100]*" in text and "pass@k - grpo" in text
 
 
+def test_summary_windows_of_rollout_success_never_overlap():
+  # Rollout success k / 100 at iteration k: 15 iterations compare 1-5 with
+  # 11-15, 30 iterations 1-10 with 21-30.
+  def runs(n):
+    return {("grpo", 0): [{"step": 0, "eval/success": 0.2}] + [
+        {"step": k, "rollout/success_frac": k / 100, "eval/success": 0.3} for k in
+        range(1, n + 1)]}
+  (short,), (long_,) = (credit_ablation.summary_table(runs(n)) for n in (15, 30))
+  np.testing.assert_allclose([short["rollout_first"], short["rollout_last"]], [0.03, 0.13])
+  np.testing.assert_allclose([long_["rollout_first"], long_["rollout_last"]], [0.055, 0.255])
+  assert short["sft_success"] == 0.2 and short["final_success"] == 0.3
+
+
 def test_a_preset_sets_defaults_and_explicit_flags_win():
   cfg = base.get_config()
   cfg.loss.clip_high, cfg.rl.credit = 0.3, "rloo"

@@ -13,9 +13,11 @@ the room states (`SokobanEnv.state_key`). The string after ':' picks the
 credit scheme (any registered name: grpo, turn_returns, gae, gigpo, ...).
 Sized so that `experiments/credit_ablation.py --env=sokoban --size=full`
 (8 seeds, one SFT each, 15 RL iterations of 4 rooms x 8 episodes per arm)
-fits about an hour on 2 CPU cores. Measured (docs/results.md, "Sokoban
-sized for the ablation"): SFT leaves held-out greedy success at 0.20-0.25
-on 64 rooms, and 15 GRPO iterations do not raise it (seeds 0, 1).
+fits about 80 minutes on 2 CPU cores. Measured over 8 seeds
+(docs/results.md, session 16): SFT leaves held-out greedy success at
+0.18 on 64 rooms (0.02-0.31 by seed), and 15 RL iterations lower it
+under every scheme tried; a recipe under which RL learns this task is
+still to be found.
 """
 
 import os
