@@ -3,7 +3,11 @@
 `RLStep(graphdef, tx, cfg)` is `train_step(state, batch) -> (state,
 metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
 
-  1. reference log-probs for the KL term (no grad);
+  1. reference log-probs for the KL term: a program of its own, run before
+     the step (no grad), so the step's temporaries never hold the
+     reference forward's (on XLA:CPU, a float32 copy of the bf16 reference
+     that the micro-batch loop hoists: 1.2 GiB less at Qwen2.5-0.5B,
+     benchmarks/step_memory.py);
   2. for each of `ppo_epochs`: accumulate gradients over `micro_batches`
      (lax.scan), then one optax update, skipped if the loss or any gradient
      is non-finite. The first epoch's forward runs before any update, so
@@ -30,7 +34,7 @@ head reads the same gathered states: the state before a turn's first
 action token is that turn's decision state, where V(s_t) trains.
 
 A step runs one forward with grad per PPO epoch, plus one of the
-reference without grad when `kl_beta > 0`. `behaviour_forward` adds no
+reference without grad (its own program) when `kl_beta > 0`. `behaviour_forward` adds no
 forward, only the entropy over the vocabulary at each action position for
 its metrics; turned off, nothing compares the sampler with the trainer.
 
@@ -231,9 +235,22 @@ def _split(batch, n: int):
   return jax.tree.map(split, batch)
 
 
+def _action_bucket(batch: TokenBatch, num_actions: int | None) -> int:
+  """`num_actions`, or else from a host batch (`losses.action_bucket`); a
+  placed one is not read back (no transfer in the hot path): every
+  position."""
+  if num_actions is not None:
+    return num_actions
+  length = batch.loss_mask.shape[-1]
+  return (losses.action_bucket(losses.most_actions(batch.loss_mask), length)
+          if isinstance(batch.loss_mask, np.ndarray) else length)
+
+
 class _StepJit:
   """`step(state, batch, num_actions) -> (state, metrics)` jitted with the
-  state donated and `num_actions` (the action bucket, from the host) static.
+  state donated and `num_actions` (the action bucket, from the host) static;
+  with `reads_state`, `step(state, batch, num_actions) -> outputs` that
+  leaves the state as it is (not donated).
 
   Compiled ahead of the call, once per input signature (what jax.jit
   caches on), so the compiler's freed host memory goes back to the OS
@@ -242,38 +259,42 @@ class _StepJit:
   Under a mesh the shardings are fixed at the jit boundary: the state by the
   partition rules, the same in and out (so donation reuses its buffers and
   the next call finds the layout it was compiled for), batch rows over
-  ("data", "fsdp"), metrics replicated. The state's shardings follow its
+  ("data", "fsdp"), metrics (and a reading program's outputs) replicated. The state's shardings follow its
   tree, so that jit is built at the first call.
   """
 
-  def __init__(self, step, mesh: jax.sharding.Mesh | None):
-    self._step, self._mesh = step, mesh
-    self._jit = (jax.jit(step, donate_argnums=(0,), static_argnums=(2,))
+  def __init__(self, step, mesh: jax.sharding.Mesh | None, *, reads_state: bool = False):
+    self._step, self._mesh, self._reads_state = step, mesh, reads_state
+    self._donate = () if reads_state else (0,)
+    self._jit = (jax.jit(step, donate_argnums=self._donate, static_argnums=(2,))
                  if mesh is None else None)
     self._shardings = None
     self._compiled = {}
 
-  def __call__(self, state: TrainState, batch: TokenBatch, num_actions: int | None):
-    if num_actions is None:
-      # From a host batch; a placed one is not read back (no transfer in the
-      # hot path): every position, unless the caller says how many.
-      length = batch.loss_mask.shape[-1]
-      num_actions = (losses.action_bucket(losses.most_actions(batch.loss_mask), length)
-                     if isinstance(batch.loss_mask, np.ndarray) else length)
+  def _jitted(self, state: TrainState):
+    if self._jit is None:
+      state_sharding = sharding.param_shardings(state, self._mesh)
+      self._shardings = (state_sharding, sharding.batch_sharding(self._mesh))
+      out = sharding.replicated(self._mesh)
+      self._jit = jax.jit(self._step, donate_argnums=self._donate, static_argnums=(2,),
+                          in_shardings=self._shardings,
+                          out_shardings=out if self._reads_state else (state_sharding, out))
+    return self._jit
+
+  def lower(self, state: TrainState, batch, num_actions: int) -> jax.stages.Lowered:
+    """The program for these inputs, lowered (abstract ones allocate nothing)."""
+    return self._jitted(state).lower(state, batch, num_actions)
+
+  def __call__(self, state: TrainState, batch, num_actions: int):
     if self._mesh is not None:
-      if self._jit is None:
-        state_sharding = sharding.param_shardings(state, self._mesh)
-        self._shardings = (state_sharding, sharding.batch_sharding(self._mesh))
-        self._jit = jax.jit(self._step, donate_argnums=(0,), static_argnums=(2,),
-                            in_shardings=self._shardings,
-                            out_shardings=(state_sharding, sharding.replicated(self._mesh)))
+      self._jitted(state)
       # Commit both (a no-op once placed): a host batch goes straight to its
       # row shards.
       state, batch = sharding.shard((state, batch), self._shardings)
     leaves, tree = jax.tree.flatten((state, batch))
     key = (num_actions, tree, tuple(map(jax.typeof, leaves)))
     if key not in self._compiled:
-      self._compiled[key] = self._jit.lower(state, batch, num_actions).compile()
+      self._compiled[key] = self.lower(state, batch, num_actions).compile()
       host_memory.release_freed()
     return self._compiled[key](state, batch)
 
@@ -290,30 +311,56 @@ class RLStep:
     self.graphdef, self.tx, self.cfg, self.mesh = graphdef, tx, cfg, mesh
     self.traces = 0
     self._jit = _StepJit(self._step, mesh)
+    self._reference_jit = _StepJit(self._reference, mesh, reads_state=True)
 
   def __call__(self, state: TrainState, batch: TokenBatch, num_actions: int | None = None):
     """One step. `num_actions`: the action bucket A (`losses.action_bucket`
     of the host batch; what every process agreed on in a multi-host run);
     None: from `batch` when it is on the host, else every position."""
-    return self._jit(state, batch, num_actions)
+    num_actions = _action_bucket(batch, num_actions)
+    ref = (self._reference_jit(state, batch, num_actions) if self.cfg.kl_beta > 0
+           else None)
+    return self._jit(state, (batch, ref), num_actions)
 
-  def _step(self, state: TrainState, batch: TokenBatch, num_actions: int):
+  def lower(self, state: TrainState, batch: TokenBatch,
+            num_actions: int) -> dict[str, jax.stages.Lowered]:
+    """The programs a call runs, lowered for these inputs (abstract ones,
+    e.g. from `jax.eval_shape`, allocate nothing): "reference" (with a KL
+    term) and "step", run one after the other; `.compile().memory_analysis()`
+    sizes each."""
+    out, ref = {}, None
+    if self.cfg.kl_beta > 0:
+      out["reference"] = self._reference_jit.lower(state, batch, num_actions)
+      ref = jax.eval_shape(lambda s, b: self._reference(s, b, num_actions), state, batch)
+    out["step"] = self._jit.lower(state, (batch, ref), num_actions)
+    return out
+
+  def _reference(self, state: TrainState, batch: TokenBatch, num_actions: int) -> jax.Array:
+    """[B, A] float32 log-probs of the action tokens under the KL reference,
+    in `_actions`' layout, one micro-batch at a time (no grad)."""
+    index, _ = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0), num_actions)
+    micro = _split((batch, index), self.cfg.micro_batches)
+    ref = jax.lax.map(lambda xs: action_heads(self.graphdef, state.ref_params, *xs,
+                                              chunk=self.cfg.head_chunk)["logprobs"], micro)
+    return ref.reshape(index.shape)
+
+  def _step(self, state: TrainState, inputs: tuple[TokenBatch, jax.Array | None],
+            num_actions: int):
+    """inputs: the batch, and the reference's log-probs (`_reference`; None
+    without a KL term)."""
     self.traces += 1  # runs only while tracing
     cfg = self.cfg
+    batch, ref = inputs
     # Aggregation weights over the whole batch, before the split: exact
     # accumulation whatever micro-batch a token (or a view) lands in.
     weights_all = losses.aggregation_weights(
         batch.loss_mask, cfg.agg, norm_constant=cfg.norm_constant, seq_ids=batch.seq_ids)
     all_acts = _actions(batch, weights_all, num_actions)
     dropped = _dropped_actions(batch, all_acts.mask > 0)
-    micro, acts = _split((batch, all_acts), cfg.micro_batches)
-    lp_of = lambda params, xs: action_heads(self.graphdef, params, xs[0], xs[1].index,
-                                            chunk=cfg.head_chunk)["logprobs"]
-
-    # -- 1. Reference log-probs. ------------------------------------------------------
+    if ref is None:
+      ref = jnp.zeros_like(all_acts.old_logprobs)
+    micro, acts, ref = _split((batch, all_acts, ref), cfg.micro_batches)
     rollout, mask = acts.old_logprobs, acts.mask
-    ref = (jax.lax.map(lambda xs: lp_of(state.ref_params, xs), (micro, acts))
-           if cfg.kl_beta > 0 else jnp.zeros_like(rollout))
     tokens = jnp.sum(mask, axis=(1, 2))
     token_share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     decisions = jnp.sum(acts.first, axis=(1, 2))
@@ -358,7 +405,7 @@ class RLStep:
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    # -- 2. PPO epochs of exact gradient accumulation. -----------------------------
+    # -- PPO epochs of exact gradient accumulation. -------------------------------
     def epoch(carry, first):
       params, opt_state, step, skipped, behaviour = carry
       xs_all = (micro, acts, ref, token_share, value_share, behaviour)
@@ -418,7 +465,7 @@ class SFTStep:
 
   def __call__(self, state: TrainState, batch: TokenBatch, num_actions: int | None = None):
     """One step; `num_actions` as for `RLStep`."""
-    return self._jit(state, batch, num_actions)
+    return self._jit(state, batch, _action_bucket(batch, num_actions))
 
   def _step(self, state: TrainState, batch: TokenBatch, num_actions: int):
     self.traces += 1
