@@ -60,7 +60,8 @@ def _replay(env: Environment, task: Task, actions: list[str]) -> Replayed:
 class BranchEpisode(Episode):
   """An episode that starts from a recorded prefix instead of a reset."""
 
-  recorded: list[Segment] = dataclasses.field(default_factory=list)  # SYSTEM, (A, O) per turn
+  # The recorded SYSTEM segment, then (ASSISTANT, OBSERVATION) per replayed turn.
+  recorded_prefix: list[Segment] = dataclasses.field(default_factory=list)
   recorded_actions: list[str] = dataclasses.field(default_factory=list)  # their texts
   recorded_rewards: list[float] = dataclasses.field(default_factory=list)
   source: Kept | None = None  # the kept cache to fork the prefix from
@@ -75,20 +76,21 @@ class BranchEpisode(Episode):
       raise ValueError(
           f"task {self.task.task_id}: replaying the recorded actions gave a different "
           f"{what}; branching needs an environment that replays exactly")
-    if tuple(self.turns.prompt_ids(replayed.observation)) != self.recorded[0].token_ids:
+    prompt = self.turn_format.prompt_ids(replayed.observation)
+    if tuple(prompt) != self.recorded_prefix[0].token_ids:
       mismatch("prompt")
     self.state_keys = [replayed.state_key]
     for k, result in enumerate(replayed.steps):
-      action, recorded = self.recorded[1 + 2 * k], self.recorded[2 + 2 * k]
-      self.observation = self.turns.clip_observation(result.observation)
-      delta = self.turns.observation_ids(self.observation, action.token_ids)
+      action, recorded = self.recorded_prefix[1 + 2 * k], self.recorded_prefix[2 + 2 * k]
+      self.observation = self.turn_format.clip_observation(result.observation)
+      delta = self.turn_format.observation_ids(self.observation, action.token_ids)
       if result.terminated or result.truncated or tuple(delta) != recorded.token_ids:
         mismatch(f"observation after turn {k}")
       if k < len(self.recorded_rewards) and result.reward != self.recorded_rewards[k]:
         mismatch(f"reward at turn {k}")
       self.steps.count(result)
       self.state_keys.append(result.info.get("state_key"))
-    self.segments = list(self.recorded)
+    self.segments = list(self.recorded_prefix)
     self.context_starts = [self.context_start] * len(replayed.steps)
     prefix = self.context_ids()
     if self.source is None:
@@ -101,9 +103,10 @@ class BranchEpisode(Episode):
 class Brancher:
   """Keeps finished episodes' caches and samples continuations from them."""
 
-  def __init__(self, scheduler: SlotScheduler, turns: TurnFormat,
+  def __init__(self, scheduler: SlotScheduler, turn_format: TurnFormat,
                env_factory: Callable[[], Environment]):
-    self._scheduler, self._turns, self._env_factory = scheduler, turns, env_factory
+    self._scheduler, self._turn_format = scheduler, turn_format
+    self._env_factory = env_factory
     self._kept: dict[int, Kept] = {}
     self._snapshot_ids = itertools.count()
     self.metrics: dict[str, float] = {}  # the last `branch` call's
@@ -139,12 +142,14 @@ class Brancher:
                          "(ASSISTANT, OBSERVATION) per turn")
       group = queue.new_group(n)
       group_of_point.append(group)
-      texts = [self._turns.tok.decode(s.token_ids) for s in traj.segments[1:1 + 2 * t:2]]
+      texts = [self._turn_format.tok.decode(s.token_ids)
+               for s in traj.segments[1:1 + 2 * t:2]]
       source = self._source(traj, t, version)
       for _ in range(n):
         episodes.append(BranchEpisode(
-            task=task, group=group, env=self._env_factory(), turns=self._turns,
-            recorded=traj.segments[:1 + 2 * t], recorded_actions=texts,
+            task=task, group=group, env=self._env_factory(),
+            turn_format=self._turn_format,
+            recorded_prefix=traj.segments[:1 + 2 * t], recorded_actions=texts,
             recorded_rewards=list(traj.turn_rewards or [])[:t],
             versions=list(traj.metadata.get("policy_versions", []))[:t],
             stop_reasons=list(traj.metadata.get("stop_reasons", []))[:t],

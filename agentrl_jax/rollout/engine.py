@@ -3,7 +3,9 @@
 The engine makes the episodes (`episode.py`), runs them on the slot
 scheduler (`scheduler.py`), hands out complete groups (`groups.py`) and
 samples continuations (`branching.py`). Each episode gets its own
-environment instance from the factory (group members never share one).
+environment instance from the factory (group members never share one). An
+episode that failed before it had a prompt has no tokens: it is reported in
+`RolloutResult.failed`.
 
 Partial rollouts: with `token_budget`, `run` stops decoding once this call
 generated that many tokens; unfinished episodes (and finished members of
@@ -19,8 +21,9 @@ environment's scripted expert: its action text is encoded once and recorded
 without log-probs, through the same bookkeeping (for SFT warm starts).
 
 The environment's declarations (system prompt, stop strings, tool schemas:
-`envs.contract`) are checked when the engine is built. An episode succeeds
-when it terminated and its last step reported `info["success"]`.
+`envs.contract`) are checked when the engine is built; the tool schemas go
+into the prompt through the chat format. An episode succeeds when it
+terminated and its last step reported `info["success"]`.
 """
 
 from __future__ import annotations
@@ -83,14 +86,14 @@ class RolloutEngine:
     # Expert episodes obey the same context budget as sampled ones would.
     self.max_context = (sampler.cache_length if sampler is not None
                         else config.max_context)
-    self._turns = TurnFormat(
+    self._turn_format = TurnFormat(
         tokenizer, chat_format, self.system_prompt, self.tools, self.stop_strings,
         self.max_context, config.max_turns, config.max_observation_tokens,
         config.context_window)
     self._scheduler = SlotScheduler(sampler, config, self.stops, seed)
     self._group_ids = itertools.count()  # unique across queues: they order groups
     self._queue = GroupQueue(self._group_ids)  # carried between calls
-    self._brancher = Brancher(self._scheduler, self._turns, env_factory)
+    self._brancher = Brancher(self._scheduler, self._turn_format, env_factory)
 
   def close(self):
     """Closes the environments' worker threads (never waits on a hung call)."""
@@ -203,7 +206,8 @@ class RolloutEngine:
       group = queue.new_group(group_size)
       for _ in range(group_size):
         env = self.env_factory()
-        new.append(Episode(task=task, group=group, env=env, turns=self._turns,
+        new.append(Episode(task=task, group=group, env=env,
+                           turn_format=self._turn_format,
                            expert=env.expert(task) if expert else None))
     if queue.version is not None and policy_version != queue.version:
       for ep in queue.unfinished:

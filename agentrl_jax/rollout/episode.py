@@ -14,16 +14,17 @@ next assistant header included). A terminated episode ends on its last
 action; a truncated one (turn budget, or the environment's truncation) ends
 on the observation that followed it, the state its return bootstraps from
 (docs/design.md, convention 4), unless that would overflow the context.
-Observations are cut by characters before they are tokenized, so a huge
-one costs bounded work.
+An observation may be a list of texts (one per tool call); each is cut by
+characters before it is tokenized, so a huge one costs bounded work.
 
 Context policies: append-only (`context_window=None`) keeps every turn in
 the cache, so each observation extends it by its own tokens. A sliding
 window (`context_window=k`) keeps the prompt and the last k turns: once an
 episode has more than k turns, the window moves every turn and the slot is
-re-prefilled with prompt + window. Each action's window is recorded
-(`Trajectory.context_starts`) so training teacher-forces it in the context
-it was sampled in (`Trajectory.flatten_views`).
+re-prefilled with prompt + window, a prefill of ~prompt + k turns instead of
+an extend of one observation (see `benchmarks/rollout.py`). Each action's
+window is recorded (`Trajectory.context_starts`) so training teacher-forces
+it in the context it was sampled in (`Trajectory.flatten_views`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Action(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Feed:
   """Tokens the sampler takes into an episode's slot before its next action."""
-  tokens: list[int]
+  tokens: list[int]  # [n] token ids
   prefill: bool  # they start the slot's context (else they extend it)
   # (SlotSnapshot, length): copy that cached prefix into the slot first.
   fork: tuple[Any, int] | None = None
@@ -123,6 +124,7 @@ class StepTally:
   env_time: float = 0.0  # seconds in its env calls (added by the worker threads)
 
   def count(self, result: StepResult) -> None:
+    """Adds a step's reward, reward parts and tool counters."""
     self.rewards.append(result.reward)
     self.reward_parts.update(result.info.get("reward_parts", {}))
     self.turn_reward_parts.append(dict(result.info.get("reward_parts", {})))
@@ -138,14 +140,14 @@ class Episode:
   task: Task
   group: int
   env: Environment  # its own instance (group members never share one)
-  turns: TurnFormat
+  turn_format: TurnFormat
   expert: Callable[[Any], str] | None = None  # expert mode: observation -> action text
   # The transcript (becomes the Trajectory).
   segments: list[Segment] = dataclasses.field(default_factory=list)
   context_start: int = 1  # segments[context_start:] follow the prompt in the cache
   context_starts: list[int] = dataclasses.field(default_factory=list)  # per action
   stop_reasons: list[int] = dataclasses.field(default_factory=list)  # per action
-  versions: list[int] = dataclasses.field(default_factory=list)  # per action's policy
+  versions: list[int] = dataclasses.field(default_factory=list)  # policy version per action
   state_keys: list = dataclasses.field(default_factory=list)  # info["state_key"] per state
   steps: StepTally = dataclasses.field(default_factory=StepTally)
   extra_metadata: dict = dataclasses.field(default_factory=dict)  # e.g. snapshot_id
@@ -216,17 +218,17 @@ class Episode:
     self.stop_reasons.append(action.stop_reason)
     self.versions.append(version)
     self.pending = None
-    return self._call(self._on_step, self.env.step, self.turns.tok.decode(action.token_ids),
-                      check=env_calls.checked_step)
+    text = self.turn_format.tok.decode(action.token_ids)
+    return self._call(self._on_step, self.env.step, text, check=env_calls.checked_step)
 
   def expert_action(self) -> Action:
     """The expert's action; one that ends on no stop string gets the format's
     end of turn, the token a policy must write to end it."""
-    fmt = self.turns.fmt
+    fmt = self.turn_format.fmt
     text = self.expert(self.observation)
-    if not text.endswith((*self.turns.stop_strings, *fmt.stops)):
+    if not text.endswith((*self.turn_format.stop_strings, *fmt.stops)):
       text += fmt.end_of_turn or (fmt.stops[0] if fmt.stops else "")
-    return Action(tok_lib.encode(self.turns.tok, text), None, STOP_SEQUENCE)
+    return Action(tok_lib.encode(self.turn_format.tok, text), None, STOP_SEQUENCE)
 
   def refeed(self) -> None:
     """Queues its whole context for prefill (the policy changed: the cached
@@ -242,9 +244,9 @@ class Episode:
   def _on_reset(self, reset: tuple[str, dict]) -> None:
     self.observation, info = reset
     self.state_keys.append(info.get("state_key"))
-    prompt = self.turns.prompt_ids(self.observation)
+    prompt = self.turn_format.prompt_ids(self.observation)
     self.segments.append(Segment(Role.SYSTEM, prompt))
-    if len(prompt) + 1 > self.turns.max_context:  # no room for a single action
+    if len(prompt) + 1 > self.turn_format.max_context:  # no room for a single action
       self.finish("context")
     else:
       self.pending = Feed(prompt, prefill=True)
@@ -254,15 +256,16 @@ class Episode:
     if result.terminated:
       self.finish("terminated")
       return
-    self.observation = self.turns.clip_observation(result.observation)
-    delta = self.turns.observation_ids(self.observation, self.segments[-1].token_ids)
-    if result.truncated or len(self.steps.rewards) >= self.turns.max_turns:
+    self.observation = self.turn_format.clip_observation(result.observation)
+    delta = self.turn_format.observation_ids(self.observation,
+                                             self.segments[-1].token_ids)
+    if result.truncated or len(self.steps.rewards) >= self.turn_format.max_turns:
       # The state the budget cut the episode in: kept (never fed to the
       # sampler) so a truncated return bootstraps from a value read where the
       # value head is trained, after an observation and an assistant header.
-      if self.length + len(delta) <= self.turns.max_context:
+      if self.length + len(delta) <= self.turn_format.max_context:
         self.segments.append(Segment(Role.OBSERVATION, delta))
-        if self.turns.context_window is not None:
+        if self.turn_format.context_window is not None:
           self._slide_window()  # the window the value is read in
           self.context_starts.append(self.context_start)
       self.finish("env_truncated" if result.truncated else "max_turns")
@@ -273,14 +276,14 @@ class Episode:
     # longer match).
     self.pending = (Feed(self.context_ids(), prefill=True) if self._slide_window()
                     else Feed(delta, prefill=False))
-    if self.length + 1 > self.turns.max_context:  # no room for another action
+    if self.length + 1 > self.turn_format.max_context:  # no room for another action
       self.segments.pop()
       self.finish("context")
 
   def _slide_window(self) -> bool:
     """Moves the window once the episode has more turns than it holds, so the
     next action sees the prompt and the last k turns; whether it moved."""
-    window = self.turns.context_window
+    window = self.turn_format.context_window
     if window is None or len(self.steps.rewards) <= window:
       return False
     actions = [i for i, s in enumerate(self.segments) if s.role == Role.ASSISTANT]
@@ -290,13 +293,13 @@ class Episode:
   # -- The record ----------------------------------------------------------------
 
   def to_trajectory(self, version: int | None, success: bool) -> Trajectory:
-    """The finished episode; `version` is the policy its update will train."""
+    """The finished episode, recorded by a call of policy `version`."""
     steps, n = self.steps, self.num_actions
     return Trajectory(
         segments=self.segments, reward=float(sum(steps.rewards)),
         turn_rewards=list(steps.rewards), terminated=self.terminated,
         truncated=self.truncated,
-        context_starts=(None if self.turns.context_window is None
+        context_starts=(None if self.turn_format.context_window is None
                         else list(self.context_starts)),
         metadata={
             "task_id": self.task.task_id, "level": self.task.level,

@@ -17,7 +17,8 @@ not idle the accelerator; `lockstep` waits for every call instead, so runs
 are bit-reproducible. Every call goes through `env_calls.EnvCaller`: one
 past its deadline (`env_deadline_s`, or the environment's own
 `deadline_s`) ends its episode as "env_timeout", an exception or a result
-outside the contract as "env_error"; the other episodes go on. An isolated
+outside the contract as "env_error" (its text in `metadata["env_error"]`);
+the other episodes go on, and the engine stays usable. An isolated
 run (`set_aside`) gets the slots an idle scheduler would have, and hands
 them back with their caches and the random stream as they were.
 """
@@ -58,7 +59,7 @@ class SlotScheduler:
       self.state = self.state.replace(rng=jax.random.key(seed))
 
   def run(self, episodes: list[Episode], stats: RunStats, *, version: int | None,
-          temperature: float = 1.0, expert: bool = False,
+          temperature: float, expert: bool = False,
           token_budget: int | None = None,
           on_finished: Callable[[Episode], None] | None = None) -> list[Episode]:
     """Runs `episodes` (waiting ones and ones holding slots) until they all
