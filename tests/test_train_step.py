@@ -334,8 +334,14 @@ def test_the_behaviour_forward_is_a_choice(model):
   # Same loss from the sampler's log-probs; no gap metrics without the forward.
   np.testing.assert_allclose(without["loss"], with_fwd["loss"], rtol=1e-6)
   assert "logprob_gap_mean_abs" in with_fwd and "logprob_gap_mean_abs" not in without
-  with pytest.raises(ValueError, match="tis.*behaviour_forward"):
-    train.LossConfig(is_correction="tis", behaviour_forward=False)
+  # "tis" reads the first epoch's own log-probs, metrics or not.
+  _, tis_fwd, _, _ = _run(model, train.LossConfig(is_correction="tis"), batch)
+  _, tis_without, _, _ = _run(model, train.LossConfig(is_correction="tis",
+                                                      behaviour_forward=False), batch)
+  chex.assert_trees_all_close(tis_without.params, tis_fwd.params, rtol=1e-6, atol=1e-7)
+  _, plain, _, _ = _run(model, train.LossConfig(), batch)
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(plain.params), jax.tree.leaves(tis_fwd.params))) > 1e-4
 
 
 def test_aggregation_weights_split_by_hand():

@@ -80,8 +80,8 @@ class LossConfig:
   tis_cap: float = 2.0
   ppo_epochs: int = 1
   micro_batches: int = 1
-  # The trainer's behaviour log-probs, from the first epoch's forward: "tis"
-  # and the sampler-vs-trainer gap and entropy metrics.
+  # The sampler-vs-trainer gap and entropy metrics, from the first epoch's
+  # forward ("tis" reads that forward's log-probs either way).
   behaviour_forward: bool = True
   head_chunk: int = 1024  # positions whose [., V] logits exist at once
 
@@ -96,9 +96,6 @@ class LossConfig:
         ("micro_batches", self.micro_batches >= 1, "must be >= 1"),
         ("ppo_epochs", self.ppo_epochs >= 1, "must be >= 1"),
     ])
-    if self.is_correction == "tis" and not self.behaviour_forward:
-      raise ValueError("is_correction='tis' needs behaviour_forward=True: its "
-                       "weights are the trainer's log-probs against the sampler's")
 
 
 def decision_mask(turn_index: jax.Array) -> jax.Array:
