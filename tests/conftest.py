@@ -66,6 +66,12 @@ def qwen_tokenizer():
   return T.qwen2_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+  """The real Qwen3 vocabulary (`tokenizer.qwen3_tokenizer`)."""
+  return T.qwen3_tokenizer()
+
+
 def require_browser() -> None:
   """Skips a test that opens a page in headless Chromium where none is
   installed, naming the package; under `AGENTRL_REQUIRE_BROWSER=1` (what

@@ -1,4 +1,4 @@
-"""The NNX decoder against transformers' PyTorch Llama/Qwen2 on the same weights."""
+"""The NNX decoder against transformers' PyTorch Llama/Qwen2/Qwen3 on the same weights."""
 
 import json
 import os
@@ -28,23 +28,27 @@ def _hf_config(arch):
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
         "rope_theta": 10000.0})
-  return transformers.Qwen2Config(**common, tie_word_embeddings=True,
-                                  rope_parameters={"rope_type": "default",
-                                                   "rope_theta": 1e6})
+  rope = {"rope_type": "default", "rope_theta": 1e6}
+  if arch == "qwen3":  # heads 24 wide, not 64 / 4; q/k norms; untied head
+    return transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False,
+                                    rope_parameters=rope)
+  return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_parameters=rope)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def checkpoint(request, tmp_path_factory):
   """(arch, torch model, local checkpoint dir) for a tiny random model."""
   torch.manual_seed(0)
-  cls = {"llama": transformers.LlamaForCausalLM,
-         "qwen2": transformers.Qwen2ForCausalLM}[request.param]
+  cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+         "qwen3": transformers.Qwen3ForCausalLM}[request.param]
   model = cls(_hf_config(request.param)).eval()
-  if request.param == "qwen2":  # HF zero-inits biases: make them matter
-    with torch.no_grad():
-      for name, p in model.named_parameters():
-        if name.endswith("bias"):
-          p.normal_(0, 0.5)
+  # HF initialises biases to 0 and norm weights to 1: make them matter.
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if request.param == "qwen2" and name.endswith("bias"):
+        p.normal_(0, 0.5)
+      if request.param == "qwen3" and "norm" in name:
+        p.normal_(1, 0.5)
   path = tmp_path_factory.mktemp(request.param)
   model.save_pretrained(path)
   return request.param, model, path
@@ -171,11 +175,13 @@ def test_packed_row_equals_separate_rows(checkpoint):
 
 
 def test_kv_cache_forward_equals_full_forward_token_by_token(checkpoint):
-  _, _, path = checkpoint
+  _, tmodel, path = checkpoint
   model = models.from_pretrained(path)
   tokens, _ = _batch()
   tokens = jnp.asarray(tokens[:2, :20])
   full = np.asarray(model(tokens))
+  want = _torch_logits(tmodel, np.asarray(tokens), np.ones((2, 20), np.int64))
+  np.testing.assert_array_less(np.abs(full - want).max(), 1e-4)
   step = nnx.jit(lambda m, t, p, c: m.hidden_states(t, p, cache=c))
   cache = KVCache.zeros(model.cfg, 2, 32)
   # Prefill 8 tokens, then one token at a time; the last prefill chunk is
@@ -379,9 +385,19 @@ def test_remat_casts_one_layers_weights_at_a_time():
 
 
 def test_config_round_trip_through_hf():
-  for arch in ("llama", "qwen2"):
+  for arch in models.SUPPORTED_ARCHS:
     cfg = models.tiny_config(arch, rope_type="llama3", rope_factor=8.0)
     assert models.from_hf_config(models.to_hf_config(cfg)) == cfg
+  assert models.tiny_config("qwen3").head_dim * 4 != models.tiny_config("qwen3").hidden_size
   with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
     models.tiny_config(rope_type="yarn")
+  with pytest.raises(ValueError, match="Qwen3 always has q/k norms"):
+    models.to_hf_config(models.tiny_config("qwen3", qk_norm=False))
+  with pytest.raises(ValueError, match="Qwen3 always has q/k norms"):
+    models.to_hf_config(models.tiny_config("llama", qk_norm=True))
+  # Sliding-window layers are not modelled: refused, never silently full attention.
+  sliding = transformers.Qwen3Config(**_hf_config("qwen3").to_dict() | dict(
+      use_sliding_window=True, sliding_window=16, max_window_layers=1))
+  with pytest.raises(ValueError, match="use_sliding_window=True"):
+    models.from_hf_config(sliding)
 

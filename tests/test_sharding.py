@@ -33,6 +33,8 @@ EXPECTED = {
     "value_head/bias": P(),
     "layers/*/input_layernorm/weight": P(),
     "layers/*/post_attention_layernorm/weight": P(),
+    "layers/*/self_attn/q_norm/weight": P(),
+    "layers/*/self_attn/k_norm/weight": P(),
     "layers/*/self_attn/q_proj/kernel": P("fsdp", "tensor"),
     "layers/*/self_attn/k_proj/kernel": P("fsdp", "tensor"),
     "layers/*/self_attn/v_proj/kernel": P("fsdp", "tensor"),
@@ -62,13 +64,14 @@ def _specs(tree, mesh=MESH):
   return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", models.SUPPORTED_ARCHS)
 def test_every_decoder_param_gets_its_intended_spec(arch):
   # Biases and heads switched on so that every parameter kind is present.
   cfg = models.tiny_config(arch, value_head=True, qkv_bias=True, o_bias=True)
   specs = _specs(_abstract_params(cfg))
   want = {k: v for k, v in EXPECTED.items()
-          if not (k.startswith("lm_head") and cfg.tie_word_embeddings)}
+          if not (k.startswith("lm_head") and cfg.tie_word_embeddings)
+          and not (k.endswith(("q_norm/weight", "k_norm/weight")) and not cfg.qk_norm)}
   assert specs == {k: {v} for k, v in want.items()}
 
 

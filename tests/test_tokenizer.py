@@ -131,7 +131,8 @@ def test_load_local_hf_tokenizer(tok, tmp_path):
 
 
 def test_unknown_format_lists_known():
-  with pytest.raises(ValueError, match=r"known: \['chatml', 'qwen2.5', 'react'\]"):
+  with pytest.raises(ValueError, match=r"known: \['chatml', 'qwen2.5', 'qwen3', "
+                                       r"'qwen3_no_thinking', 'react'\]"):
     T.get_format("llama2")
 
 
@@ -146,9 +147,15 @@ def test_no_pytorch_advice_at_import():
   assert "ADVICE" not in out.stderr + out.stdout
 
 
-# -- Qwen2.5's own template, with tools ----------------------------------------------
+# -- Qwen2.5's and Qwen3's own templates, with tools -----------------------------------
 
 QWEN_TEMPLATE = (pathlib.Path(__file__).parent / "data" / "qwen2_5_chat_template.jinja").read_text()
+# Qwen3's (the hybrid thinking models, e.g. Qwen3-8B), as vendored by
+# huggingface/trl in trl/chat_templates/qwen3.jinja (commit f2cd577), where
+# it is kept byte-identical to the checkpoints' template to recognise them.
+QWEN3_TEMPLATE = (pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+TEMPLATES = {"qwen2.5": (QWEN_TEMPLATE, "qwen_tokenizer"),
+             "qwen3": (QWEN3_TEMPLATE, "qwen3_tokenizer")}
 TOOL_SCHEMAS = [
     {"type": "function", "function": {
         "name": "stock", "description": "Units in stock.",
@@ -160,7 +167,8 @@ TOOL_SCHEMAS = [
         "name": "price", "description": "Prix d'un article, en euros.",  # non-ASCII kept
         "parameters": {"type": "object", "properties": {
             "item": {"type": "string", "description": "L'article."}}, "required": ["item"]}}}]
-# Three turns: two parallel calls, one call, then the answer.
+# Three turns: two parallel calls, one call, then the answer; Qwen3 thinks first.
+THOUGHTS = ["Stock and price at once.", "Now W17's nuts.", "318 + 97\n= 415? No: 254 + 97."]
 TOOL_TURNS = [
     ([("stock", {"warehouse": "W42", "item": "bolts"}), ("price", {"item": "écrou"})],
      ["318", '{"eur": 0.25, "note": "prix été"}']),
@@ -168,57 +176,103 @@ TOOL_TURNS = [
 ]
 
 
-def _tool_messages(system, task, turns, answer):
+def _thought(i, thinks):
+  """Turn i's reasoning as Qwen3 writes it (and its template renders it)."""
+  return f"<think>\n{THOUGHTS[i]}\n</think>\n\n" if thinks else ""
+
+
+def _tool_messages(system, task, turns, answer, thinks=False):
   messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
-  for calls, results in turns:
-    messages.append({"role": "assistant", "content": "", "tool_calls": [
+  for i, (calls, results) in enumerate(turns):
+    messages.append({"role": "assistant", "content": _thought(i, thinks), "tool_calls": [
         {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]})
     messages += [{"role": "tool", "content": r} for r in results]
   if answer is not None:
-    messages.append({"role": "assistant", "content": answer})
+    messages.append({"role": "assistant", "content": _thought(len(turns), thinks) + answer})
   return messages
 
 
-def _tool_actions(turns, answer):
+def _tool_actions(turns, answer, thinks=False):
   from agentrl_jax import tools  # pylint: disable=import-outside-toplevel
-  actions = ["\n".join(tools.render_call(n, a) for n, a in calls) + "<|im_end|>"
-             for calls, _ in turns]
-  return actions + [answer + "<|im_end|>"]
+  actions = [_thought(i, thinks) + "\n".join(tools.render_call(n, a) for n, a in calls)
+             + "<|im_end|>" for i, (calls, _) in enumerate(turns)]
+  return actions + [_thought(len(turns), thinks) + answer + "<|im_end|>"]
 
 
-def test_qwen25_renders_tools_as_its_own_template(qwen_tokenizer):
-  actions = _tool_actions(TOOL_TURNS, "351 bolts and nuts.")
+def _delta_ids(tok, fmt, actions, observations):
+  """The conversation's ids as a rollout builds them, turn by turn."""
+  ids = fmt.prompt_ids(tok, SYSTEM, TASK, TOOL_SCHEMAS)
+  for t, action in enumerate(actions):
+    action_ids = T.encode(tok, action)
+    ids += action_ids
+    if t < len(observations):
+      ids += fmt.observation_ids(tok, observations[t], action_ids)
+  return ids
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3"])
+def test_qwen_renders_tools_as_its_own_template(name, request):
+  template, tok_fixture = TEMPLATES[name]
+  tok = request.getfixturevalue(tok_fixture)
+  thinks = name == "qwen3"  # with enable_thinking (Qwen3's default) it reasons first
+  answer = "351 bolts and nuts."
+  actions = _tool_actions(TOOL_TURNS, answer, thinks)
   observations = [results for _, results in TOOL_TURNS]
-  fmt = T.get_format("qwen2.5")
-  # Ending on the generation prompt after each turn's tool results.
-  for t in range(1, len(TOOL_TURNS) + 1):
-    reference = qwen_tokenizer.apply_chat_template(
-        _tool_messages(SYSTEM, TASK, TOOL_TURNS[:t], None), tools=TOOL_SCHEMAS,
-        chat_template=QWEN_TEMPLATE, tokenize=False, add_generation_prompt=True)
-    ours = fmt.render(SYSTEM, TASK, actions[:t], observations[:t], tools=TOOL_SCHEMAS)
-    assert ours == reference
+  fmt = T.get_format(name)
+  # Ending on the generation prompt: the prompt, then after each turn's tool results.
+  for t in range(len(TOOL_TURNS) + 1):
+    for thinking in ({}, {"enable_thinking": True}) if thinks else ({},):
+      reference = tok.apply_chat_template(
+          _tool_messages(SYSTEM, TASK, TOOL_TURNS[:t], None, thinks), tools=TOOL_SCHEMAS,
+          chat_template=template, tokenize=False, add_generation_prompt=True, **thinking)
+      ours = fmt.render(SYSTEM, TASK, actions[:t], observations[:t], tools=TOOL_SCHEMAS)
+      assert ours == reference
   # The whole conversation, answer included (the template adds a newline after it).
-  messages = _tool_messages(SYSTEM, TASK, TOOL_TURNS, "351 bolts and nuts.")
-  reference = qwen_tokenizer.apply_chat_template(
-      messages, tools=TOOL_SCHEMAS, chat_template=QWEN_TEMPLATE, tokenize=False)
+  messages = _tool_messages(SYSTEM, TASK, TOOL_TURNS, answer, thinks)
+  reference = tok.apply_chat_template(
+      messages, tools=TOOL_SCHEMAS, chat_template=template, tokenize=False)
   ours = fmt.render(SYSTEM, TASK, actions, observations, tools=TOOL_SCHEMAS)
   assert ours + "\n" == reference
   # Same ids: the delta-built conversation is what the template tokenizes to.
-  ids = fmt.prompt_ids(qwen_tokenizer, SYSTEM, TASK, TOOL_SCHEMAS)
-  for t, action in enumerate(actions):
-    action_ids = T.encode(qwen_tokenizer, action)
-    ids += action_ids
-    if t < len(observations):
-      ids += fmt.observation_ids(qwen_tokenizer, observations[t], action_ids)
-  reference_ids = qwen_tokenizer.apply_chat_template(
-      messages, tools=TOOL_SCHEMAS, chat_template=QWEN_TEMPLATE, tokenize=True,
+  reference_ids = tok.apply_chat_template(
+      messages, tools=TOOL_SCHEMAS, chat_template=template, tokenize=True,
       return_dict=True)["input_ids"]
-  assert ids + T.encode(qwen_tokenizer, "\n") == list(reference_ids)
-  assert T.check_prefix_preserving(qwen_tokenizer, fmt, SYSTEM, TASK, actions, observations,
+  ids = _delta_ids(tok, fmt, actions, observations)
+  assert ids + T.encode(tok, "\n") == list(reference_ids)
+  assert T.check_prefix_preserving(tok, fmt, SYSTEM, TASK, actions, observations,
                                    TOOL_SCHEMAS).ok
-  # <tool_call> is one of Qwen's added tokens: the call is spelt with it.
-  assert T.encode(qwen_tokenizer, actions[1])[0] == qwen_tokenizer.convert_tokens_to_ids(
-      "<tool_call>")
+  # <tool_call> (and Qwen3's <think>) are added tokens: the turn is spelt with them.
+  first = "<think>" if thinks else "<tool_call>"
+  assert T.encode(tok, actions[1])[0] == tok.convert_tokens_to_ids(first)
+
+
+def test_qwen3_without_thinking_opens_each_turn_with_an_empty_think_block(qwen3_tokenizer):
+  tok, fmt = qwen3_tokenizer, T.get_format("qwen3_no_thinking")
+  empty = "<think>\n\n</think>\n\n"
+  actions = _tool_actions(TOOL_TURNS, "351 bolts and nuts.")
+  observations = [results for _, results in TOOL_TURNS]
+  for tools in (TOOL_SCHEMAS, ()):
+    reference = tok.apply_chat_template(
+        _tool_messages(SYSTEM, TASK, [], None), tools=list(tools) or None,
+        chat_template=QWEN3_TEMPLATE, add_generation_prompt=True, enable_thinking=False,
+        tokenize=True, return_dict=True)["input_ids"]
+    assert fmt.prompt_ids(tok, SYSTEM, TASK, tools) == list(reference)
+  # Later turns open as the template's generation prompt does; the template
+  # re-renders earlier turns without their empty block, the deltas keep what
+  # the model was sampled on.
+  for t in range(1, len(TOOL_TURNS) + 1):
+    reference = tok.apply_chat_template(
+        _tool_messages(SYSTEM, TASK, TOOL_TURNS[:t], None), tools=TOOL_SCHEMAS,
+        chat_template=QWEN3_TEMPLATE, tokenize=False, add_generation_prompt=True,
+        enable_thinking=False)
+    ours = fmt.render(SYSTEM, TASK, actions[:t], observations[:t], tools=TOOL_SCHEMAS)
+    assert ours.endswith("<|im_start|>assistant\n" + empty)
+    assert ours.count(empty) == t + 1
+    assert ours.replace(empty, "") + empty == reference
+  assert T.check_prefix_preserving(tok, fmt, SYSTEM, TASK, actions, observations,
+                                   TOOL_SCHEMAS).ok
+  # Four tokens: the tags are added tokens, each "\n\n" one byte-level token.
+  assert tok.convert_ids_to_tokens(T.encode(tok, empty)) == ["<think>", "ĊĊ", "</think>", "ĊĊ"]
 
 
 def test_chatml_is_qwen25_without_tools(tok):
@@ -230,7 +284,7 @@ def test_chatml_is_qwen25_without_tools(tok):
   assert T.CHATML.render("s", "t", ["y"], [observation]) == T.get_format("qwen2.5").render(
       "s", "t", ["y"], [observation])
   with pytest.raises(ValueError, match="does not render tool schemas; use one that does: "
-                                       r"\['qwen2.5'\]"):
+                                       r"\['qwen2.5', 'qwen3', 'qwen3_no_thinking'\]"):
     T.CHATML.prompt_ids(tok, "s", "t", tools=TOOL_SCHEMAS)
   assert T.REACT.render("s", "t", ["y"], [observation]) == (
       "s\n\nTask: t\ny\n<observation>a\nb</observation>\n")

@@ -1,4 +1,4 @@
-"""Decoder configuration: one frozen, hashable dataclass for Llama and Qwen2.
+"""Decoder configuration: one frozen, hashable dataclass for Llama, Qwen2, Qwen3.
 
 Hashable so it can be a static argument of jitted functions. Converted from
 and to Hugging Face configs (transformers' `AutoConfig`), so a local
@@ -12,22 +12,22 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture and numerics of a Llama/Qwen2-family decoder."""
+  """Architecture and numerics of a Llama/Qwen2/Qwen3-family decoder."""
 
-  arch: str  # "llama" or "qwen2": the HF model_type
+  arch: str  # one of SUPPORTED_ARCHS: the HF model_type
   vocab_size: int
   hidden_size: int
   intermediate_size: int
   num_layers: int
   num_heads: int
   num_kv_heads: int
-  head_dim: int
+  head_dim: int  # per head; Qwen3's is not hidden_size // num_heads
   rope_theta: float = 10000.0
   rope_type: str = "default"  # one of ROPE_TYPES
   rope_factor: float = 1.0  # "linear" and "llama3"
@@ -38,6 +38,7 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   qkv_bias: bool = False  # Qwen2: True
   o_bias: bool = False
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
   max_position_embeddings: int = 4096
   dtype: Any = jnp.float32  # activations (norms and softmax always float32)
   # The trained (master) weights: float32 also under bf16 activations, or
@@ -62,12 +63,18 @@ class ModelConfig:
 
 
 def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
-  """A 2-layer, d=128 model for tests and the embedded default run."""
+  """A 2-layer, d=128 model for tests and the embedded default run.
+
+  Qwen3's heads are 64 wide (4 x 64 = 256 != d), as its real models' are
+  (Qwen3-0.6B: d = 1024, 16 heads of 128), with the q/k norms.
+  """
   base = dict(
       arch=arch, vocab_size=512, hidden_size=128, intermediate_size=256,
-      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+      num_layers=2, num_heads=4, num_kv_heads=2,
+      head_dim=64 if arch == "qwen3" else 32,
       rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
-      tie_word_embeddings=arch == "llama", qkv_bias=arch == "qwen2")
+      tie_word_embeddings=arch in ("llama", "qwen3"), qkv_bias=arch == "qwen2",
+      qk_norm=arch == "qwen3")
   base.update(overrides)
   return ModelConfig(**base)
 
@@ -83,7 +90,7 @@ def _rope_parameters(hf) -> dict:
 
 
 def from_hf_config(hf, **overrides) -> ModelConfig:
-  """Converts a transformers Llama/Qwen2 config; raises on what we don't model."""
+  """Converts a transformers Llama/Qwen2/Qwen3 config; raises on what we don't model."""
   arch = getattr(hf, "model_type", None)
   if arch not in SUPPORTED_ARCHS:
     raise ValueError(
@@ -117,6 +124,7 @@ def from_hf_config(hf, **overrides) -> ModelConfig:
       tie_word_embeddings=bool(hf.tie_word_embeddings),
       qkv_bias=True if arch == "qwen2" else attention_bias,
       o_bias=False if arch == "qwen2" else attention_bias,
+      qk_norm=arch == "qwen3",
       max_position_embeddings=hf.max_position_embeddings)
   fields.update(overrides)
   return ModelConfig(**fields)
@@ -145,12 +153,19 @@ def to_hf_config(cfg: ModelConfig, base: dict | None = None):
       rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
       max_position_embeddings=cfg.max_position_embeddings,
       rope_parameters=rope, hidden_act="silu")
+  if cfg.qk_norm != (cfg.arch == "qwen3"):
+    raise ValueError(f"qk_norm={cfg.qk_norm} has no {cfg.arch} checkpoint: "
+                     "Qwen3 always has q/k norms, Llama and Qwen2 never")
+  if cfg.arch in ("llama", "qwen3") and cfg.qkv_bias != cfg.o_bias:
+    raise ValueError(f"{cfg.arch} has one attention_bias flag for q, k, v and o")
   if cfg.arch == "llama":
-    if cfg.qkv_bias != cfg.o_bias:
-      raise ValueError("Llama has one attention_bias flag for q, k, v and o")
     fields.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
     hf = transformers.LlamaConfig(**fields)
     hf.architectures = ["LlamaForCausalLM"]
+  elif cfg.arch == "qwen3":
+    fields.update(attention_bias=cfg.qkv_bias)
+    hf = transformers.Qwen3Config(**fields)
+    hf.architectures = ["Qwen3ForCausalLM"]
   else:
     hf = transformers.Qwen2Config(**fields)
     hf.architectures = ["Qwen2ForCausalLM"]

@@ -1,4 +1,4 @@
-"""Flax NNX decoder for the Llama / Qwen2 family, with an optional KV cache.
+"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 family, with an optional KV cache.
 
 One forward serves the trainer and the sampler, so both compute the same
 function:
@@ -11,7 +11,8 @@ function:
 
 Numerics follow the transformers implementation: RMSNorm and the attention
 softmax in float32 whatever the activation dtype, RoPE in the "rotate half"
-layout, grouped-query attention.
+layout, grouped-query attention; Qwen3's q/k RMSNorm over each head's
+features, before RoPE.
 """
 
 from __future__ import annotations
@@ -148,14 +149,20 @@ class Attention(nnx.Module):
     self.k_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
     self.v_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
     self.o_proj = _linear(cfg, cfg.num_heads * hd, d, cfg.o_bias, rngs)
+    norm = lambda: RMSNorm(hd, cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
+    self.q_norm = norm() if cfg.qk_norm else None
+    self.k_norm = norm() if cfg.qk_norm else None
 
   def __call__(self, x, positions, rope, mask, cache_kv):
     """x [B, L, d]; mask [B, L, S] bool; cache_kv None or ([B,KV,S,D],) * 2."""
     cfg = self.cfg
     b, l, _ = x.shape
     kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q = apply_rope(self.q_proj(x).reshape(b, l, cfg.num_heads, hd), rope)
-    k = apply_rope(self.k_proj(x).reshape(b, l, kv, hd), rope)
+    q = self.q_proj(x).reshape(b, l, cfg.num_heads, hd)
+    k = self.k_proj(x).reshape(b, l, kv, hd)
+    if cfg.qk_norm:  # per head, over its hd features (transformers' Qwen3)
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
     v = self.v_proj(x).reshape(b, l, kv, hd)
     if cache_kv is not None:
       # Write the new entries at their positions (positions >= S are
@@ -336,7 +343,7 @@ def compute_params(params, dtype):
 
 
 class Decoder(nnx.Module):
-  """Llama/Qwen2 decoder: tokens [B, L] -> logits [B, L, V] (+ values [B, L])."""
+  """Llama/Qwen2/Qwen3 decoder: tokens [B, L] -> logits [B, L, V] (+ values [B, L])."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
