@@ -155,10 +155,14 @@ def _torch_batch(batch):
 
 
 def xla_peak(step, state, batch, num_actions) -> int:
-  """Bytes live at once in the compiled step, its arguments included."""
-  m = step._jit._jit.lower(state, batch, num_actions).compile().memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
+  """Bytes live at once in the step's compiled programs, their arguments
+  included: the larger of the KL reference's and the step's (`RLStep.lower`;
+  they run one after the other)."""
+  def peak(m):
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+  return max(peak(p.compile().memory_analysis())
+             for p in step.lower(state, batch, num_actions).values())
 
 
 def tensor_bytes(*modules_or_opt) -> int:
