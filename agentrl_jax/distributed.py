@@ -27,7 +27,6 @@ unchanged through them.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import jax
@@ -69,18 +68,9 @@ def task_share(items: Sequence[Any]) -> list[Any]:
 
 
 def local_mesh(cfg: sharding.MeshConfig) -> Mesh:
-  """The sampler's mesh over this process's devices, shaped like the global one.
-
-  Keeps `cfg.tensor` (a model that needs tensor parallelism to fit needs it
-  to sample too) and as much of `cfg.fsdp` as fits; the rest of the local
-  devices split slots over "data".
-  """
-  n = jax.local_device_count()
-  if n % cfg.tensor:
-    raise ValueError(f"mesh tensor={cfg.tensor} must divide the {n} devices of a process")
-  fsdp = math.gcd(cfg.fsdp, n // cfg.tensor)
-  local = sharding.MeshConfig(data=n // (fsdp * cfg.tensor), fsdp=fsdp, tensor=cfg.tensor)
-  return sharding.make_mesh(local, jax.local_devices())
+  """The sampler's mesh over this process's devices, shaped like the global
+  one (`sharding.mesh_like`)."""
+  return sharding.mesh_like(cfg, jax.local_devices())
 
 
 def agree_max(values: Sequence[int]) -> np.ndarray:

@@ -75,6 +75,20 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
                        devices=devices)
 
 
+def mesh_like(cfg: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
+  """A mesh over `devices` shaped like `cfg` for a sampler: keeps
+  `cfg.tensor` (a model that needs tensor parallelism to fit needs it to
+  sample too) and as much of `cfg.fsdp` as fits; the rest of the devices
+  split slots over "data". For one host's devices (`distributed.local_mesh`)
+  or the sampler's own (`mesh.sampler_devices`)."""
+  n = len(devices)
+  if n % cfg.tensor:
+    raise ValueError(f"mesh tensor={cfg.tensor} must divide the {n} devices given")
+  fsdp = math.gcd(cfg.fsdp, n // cfg.tensor)
+  return make_mesh(MeshConfig(data=n // (fsdp * cfg.tensor), fsdp=fsdp, tensor=cfg.tensor),
+                   devices)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

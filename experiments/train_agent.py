@@ -72,17 +72,33 @@ def _mesh_config(cfg) -> sharding.MeshConfig:
   return sharding.MeshConfig(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
 
 
+def _device_split(cfg):
+  """(the trainer's devices, the sampler's own or None): `mesh.sampler_devices`
+  takes the last devices for the sampler alone."""
+  devices, k = jax.devices(), cfg.mesh.sampler_devices
+  if not k:
+    return devices, None
+  if k >= len(devices):
+    raise ValueError(f"mesh.sampler_devices={k} leaves none of the {len(devices)} "
+                     "devices to the trainer")
+  return devices[:-k], devices[-k:]
+
+
 def build_mesh(cfg):
-  """The configured (global) device mesh, or None for one device."""
+  """The trainer's device mesh (global with several hosts), or None for one device."""
   mesh_cfg = _mesh_config(cfg)  # its fit to the batch: config_base.validate
   if mesh_cfg.shape == (1, 1, 1) and not cfg.mesh.multihost:
     return None
-  return sharding.make_mesh(mesh_cfg)
+  return sharding.make_mesh(mesh_cfg, _device_split(cfg)[0])
 
 
 def sampler_mesh(cfg, mesh):
-  """The training mesh, or with several hosts each one's own devices."""
-  return distributed.local_mesh(_mesh_config(cfg)) if cfg.mesh.multihost else mesh
+  """The sampler's mesh: the training mesh, each host's own devices with
+  several hosts, or the devices `mesh.sampler_devices` set apart."""
+  if cfg.mesh.multihost:
+    return distributed.local_mesh(_mesh_config(cfg))
+  _, own = _device_split(cfg)
+  return mesh if own is None else sharding.mesh_like(_mesh_config(cfg), own)
 
 
 def build(cfg, mesh=None):
@@ -260,16 +276,29 @@ def run(cfg, workdir, explicit=()) -> dict | None:
                          state, rl.RLConfig(**cfg.rl), seed=cfg.seed)
   first = progress["iteration"]
   postfix = {}
+
+  def draw(it):
+    """Iteration it's task pool, its draw of tasks, and the generator drawn from."""
+    rng = np.random.default_rng([cfg.seed, it])
+    pool = rl.curriculum_pool(train_tasks, cfg.curriculum, it)
+    return pool, rng.choice(len(pool), cfg.rl.tasks_per_iteration, replace=False), rng
+
+  def upcoming(version):
+    """The tasks of RL iteration `version` (rollouts started ahead), None past the end."""
+    if version > cfg.iterations:
+      return None
+    pool, chosen, _ = draw(version - 1)
+    return [pool[i] for i in chosen]
+
   bar = tqdm.tqdm(range(first, cfg.iterations), desc="RL", unit="it", initial=first,
                   total=cfg.iterations, disable=not primary)
   for it in bar:
-    rng = np.random.default_rng([cfg.seed, it])
-    pool = rl.curriculum_pool(train_tasks, cfg.curriculum, it)
-    chosen = rng.choice(len(pool), cfg.rl.tasks_per_iteration, replace=False)
+    pool, chosen, rng = draw(it)
     tasks = [pool[i] for i in chosen]
     t0 = time.perf_counter()
     record = bool(cfg.log.trajectories_every) and (it + 1) % cfg.log.trajectories_every == 0
-    m = trainer.iteration(tasks, it + 1, refill=_refill(pool, chosen, rng), record=record)
+    m = trainer.iteration(tasks, it + 1, refill=_refill(pool, chosen, rng), record=record,
+                          upcoming=upcoming)
     m["time/iteration_s"] = time.perf_counter() - t0  # rollouts + credit + step
     if record and primary:
       r = trainer.recorded
@@ -279,6 +308,7 @@ def run(cfg, workdir, explicit=()) -> dict | None:
                                 trainer_logprobs=r.trainer_logprobs)
           for i in viewer.sample_groups(r.trajectories, cfg.log.per_group)])
     if (it + 1) % cfg.eval_every == 0 or it + 1 == cfg.iterations:
+      trainer.settle()  # the rollouts in flight finish first: the evaluation has the engine
       m.update({f"eval/{k}": v for k, v in evaluate(it + 1).items()})
     if it + 1 == cfg.iterations:
       m.update({f"eval/{k}": v for k, v in sampled().items()})
@@ -287,6 +317,7 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     bar.set_postfix(postfix)
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
       ckpt.save(it + 1, trainer.state, {**progress, "iteration": it + 1})
+  trainer.close()
   ckpt.close()
   engine.close()
   if not primary:

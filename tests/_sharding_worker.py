@@ -14,9 +14,13 @@ import numpy as np
 import optax
 
 from agentrl_jax import models, sharding, train
+from agentrl_jax import tokenizer as T
 from agentrl_jax.checkpointing import Checkpointer
+from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
+from agentrl_jax.train import rl
 from _worker_checks import check, run_checks  # this script's directory leads sys.path
+from test_rl_learning import LookupEnv
 from test_train_step import _batch
 
 
@@ -148,6 +152,46 @@ def checkpoint_restores_onto_another_mesh():
   assert _shardings(restored) == jax.tree.leaves(new_shardings)
   emb = restored.params["embed_tokens"]["embedding"][...]
   assert emb.sharding.shard_shape(emb.shape) == (64, 16), emb.sharding
+
+
+@check
+def async_rollouts_sample_on_their_own_devices():
+  """max_staleness=1 with the trainer on devices 0-3 and the sampler on 4-7:
+  weights reach the sampler device to device, each rollout samples with
+  the weights of the iteration before."""
+  devices = jax.devices()
+  trainer_mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2), devices[:4])
+  sampler_mesh = sharding.mesh_like(sharding.MeshConfig(data=2, fsdp=2), devices[4:])
+  model = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0))
+  sampler = Sampler(model, num_slots=8, cache_length=128, max_decode_length=8,
+                    length_buckets=(16, 64), mesh=sampler_mesh)
+  engine = RolloutEngine(LookupEnv, T.load_tokenizer(), T.CHATML, sampler,
+                         RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True))
+  tx = optax.adam(1e-3)
+  graphdef, state = train.init_train_state(model, tx, with_reference=False)
+  state = sharding.shard(state, sharding.param_shardings(state, trainer_mesh))
+  trainer = rl.RLTrainer(
+      engine, train.RLStep(graphdef, tx, train.LossConfig(is_correction="tis",
+                                                          entropy_coef=0.05),
+                           mesh=trainer_mesh), state,
+      rl.RLConfig(group_size=2, tasks_per_iteration=2, buckets=(128,), max_staleness=1))
+  tasks = LookupEnv.tasks("train", 8, 0)
+  on = lambda tree: {d for x in jax.tree.leaves(tree) for d in x.devices()}
+  for i in range(1, 4):
+    with jax.transfer_guard_device_to_host("disallow"), \
+         jax.transfer_guard_host_to_device("disallow"):
+      weights = sampler.prepare_params(trainer.state.params)
+    assert on(weights) == set(devices[4:]), on(weights)
+    m = trainer.iteration(tasks[2 * i - 2:2 * i], i, record=True,
+                          upcoming=lambda j: tasks[2 * j - 2:2 * j] if j <= 3 else None)
+    assert m["rollout/staleness_max"] == min(i - 1, 1), m
+    assert {v for t in trainer.recorded.trajectories
+            for v in t.metadata["policy_versions"]} == {max(i - 1, 1)}
+  assert on(trainer.state.params) == set(devices[:4])
+  assert on(sampler.params) == set(devices[4:])
+  trainer.settle()
+  _close(sampler.params, trainer.state.params, atol=0, rtol=0)
+  trainer.close()
 
 
 def main():

@@ -113,6 +113,8 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("loss.agg", "mean", "loss.agg = 'mean' must be one of ('token-mean',"),
     ("loss.kl_kind", "k4", "loss.kl_kind = 'k4' must be one of ('k1',"),
     ("loss.is_correction", "is", "loss.is_correction = 'is' must be one of ('none',"),
+    ("rl.max_staleness", -1, "rl.max_staleness = -1 must be >= 0"),
+    ("mesh.sampler_devices", -1, "mesh.sampler_devices = -1 must be >= 0"),
     ("env.name", "chess", "env.name = 'chess' does not load: unknown environment 'chess'"),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):

@@ -143,6 +143,7 @@ def worker_output():
     "rl_step_matches_single_device",
     "sampler_matches_single_device",
     "checkpoint_restores_onto_another_mesh",
+    "async_rollouts_sample_on_their_own_devices",
 ])
 def test_on_8_devices(worker_output, check):
   assert f"PASS {check}" in worker_output, worker_output

@@ -1,9 +1,12 @@
 """experiments/train_agent.py end to end at a tiny size: files, resume, determinism."""
 
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -26,11 +29,14 @@ TINY = [
 ]
 
 
-def _run(workdir, iterations):
-  out = subprocess.run(
-      [sys.executable, "experiments/train_agent.py", f"--workdir={workdir}", *TINY,
-       f"--config.iterations={iterations}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _command(workdir, iterations, *extra):
+  return [sys.executable, "experiments/train_agent.py", f"--workdir={workdir}", *TINY,
+          f"--config.iterations={iterations}", *extra]
+
+
+def _run(workdir, iterations, *extra):
+  out = subprocess.run(_command(workdir, iterations, *extra), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout
 
@@ -98,3 +104,28 @@ def test_a_real_run_writes_episodes_the_viewer_shows(tmp_path):
   assert 'data-ready="1"' in run.stdout and "data-error" not in run.stdout
   main = run.stdout[run.stdout.index("<main>"):]
   assert main.count('<section class="episode"') == len(records)
+
+
+def test_an_async_run_killed_mid_iteration_resumes(tmp_path):
+  """kill -9 while iteration 3's update and iteration 4's rollouts are in
+  flight: the rerun resumes from checkpoint 2 and logs every iteration once."""
+  asynchronous = ("--config.rl.max_staleness=1", "--config.loss.is_correction=tis")
+  proc = subprocess.Popen(_command(tmp_path, 6, *asynchronous), cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "checkpoints" / "2").is_dir():
+      assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint 2"
+      time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before the kill"
+    os.kill(proc.pid, signal.SIGKILL)
+  finally:
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  out = _run(tmp_path, 6, *asynchronous)
+  assert "resumed from" in out and "step 2" in out, out
+  steps = [m["step"] for m in _metrics(tmp_path) if m["step"] > 0]
+  assert steps == [1, 2, 3, 4, 5, 6], steps
+  stale = [m["rollout/staleness_max"] for m in _metrics(tmp_path) if m["step"] > 0]
+  # The resumed run restarts the pipeline: its first iteration is on-policy.
+  assert stale == [0, 1, 0, 1, 1, 1], stale

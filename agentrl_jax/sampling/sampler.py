@@ -161,16 +161,23 @@ class Sampler:
     self._fork_jit = jax.jit(_fork_impl, donate_argnums=(0,), **fork_shardings)
 
   def update_params(self, model_or_params) -> None:
-    """Weight sync: the next call samples from these parameters.
+    """Weight sync: the next call samples from these parameters
+    (`prepare_params`'s copy of them)."""
+    self.params = self.prepare_params(model_or_params)
+
+  def prepare_params(self, model_or_params):
+    """The sampler's copy of `model_or_params`, to assign to `params` now or
+    later (an asynchronous trainer's rollouts sample with older weights).
 
     Never through the host: a device-side copy in the compute dtype
     (`models.compute_params`: float32 masters sample as their bf16 copy,
     exactly what the trainer's forward computes), so a train step that
     donates its own parameters cannot delete the sampler's; under a mesh, a
     device-to-device reshard when the given parameters are laid out
-    otherwise (a trainer on another mesh), else a copy in place. Parameters
-    that span several processes (a multi-host trainer) are resharded onto
-    this process's mesh (`distributed.to_local`; every process calls it).
+    otherwise (a trainer on another mesh or other devices), else a copy in
+    place. Parameters that span several processes (a multi-host trainer)
+    are resharded onto this process's mesh (`distributed.to_local`; every
+    process calls it).
     """
     if isinstance(model_or_params, nnx.Module):
       _, model_or_params = nnx.split(model_or_params)
@@ -180,13 +187,12 @@ class Sampler:
         raise ValueError("parameters spanning several processes need a sampler on a "
                          "local mesh (distributed.local_mesh)")
       local = distributed.to_local(model_or_params, self._param_sharding)
-      self.params = compute_params(local, self.cfg.dtype)
-    elif self._param_sharding is None:
-      self.params = compute_params(model_or_params, self.cfg.dtype)
-    else:
-      # A fresh copy where the parameters are, then moved (or kept) in place.
-      self.params = jax.device_put(compute_params(model_or_params, self.cfg.dtype),
-                                   self._param_sharding)
+      return compute_params(local, self.cfg.dtype)
+    if self._param_sharding is None:
+      return compute_params(model_or_params, self.cfg.dtype)
+    # A fresh copy where the parameters are, then moved (or kept) in place.
+    return jax.device_put(compute_params(model_or_params, self.cfg.dtype),
+                          self._param_sharding)
 
   def init_state(self, seed: int = 0) -> SamplerState:
     if self._init_jit is None:

@@ -23,7 +23,9 @@ One `RLTrainer.iteration(tasks, it)`:
      (through steps 1-4) until tasks_per_iteration groups carry signal or
      the cap is spent (`rollout/refill_tasks`), so every update holds the
      same number of informative groups (never more);
-  5. the jitted train step, then weight sync into the sampler.
+  5. the jitted train step, then weight sync into the sampler; with
+     `max_staleness` s > 0 the rollouts run ahead on a worker thread
+     instead, iteration i's with iteration i - s's weights (`pipeline`).
 
 DAPO's overlong shaping, both off by default: `overlong_buffer` subtracts a
 penalty growing linearly from 0 to `overlong_penalty` over the last
@@ -47,6 +49,7 @@ Non-finite updates are skipped by the step; `max_bad_steps` in a row raise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -56,8 +59,8 @@ import numpy as np
 from agentrl_jax import distributed, env_calls, losses, sharding
 from agentrl_jax.checks import check_fields
 from agentrl_jax.envs.base import Task
-from agentrl_jax.rollout import STOP_REASONS, RolloutEngine
-from agentrl_jax.train import credit
+from agentrl_jax.rollout import STOP_REASONS, RolloutEngine, RolloutResult
+from agentrl_jax.train import credit, pipeline
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.train import step as step_lib
 from agentrl_jax.train.step import RLStep
@@ -107,6 +110,10 @@ class RLConfig:
   # policy loss also covers every environment-written token after an
   # episode's first action (`observation_credit`). False: actions only.
   observation_loss: bool = False
+  # Asynchronous RL (`pipeline`): iteration i's rollouts sample with the
+  # weights of iteration i - max_staleness, on a worker thread, while the
+  # trainer updates on the iterations before. 0: synchronous.
+  max_staleness: int = 0
 
   def __post_init__(self):
     check_fields(self, [
@@ -119,12 +126,20 @@ class RLConfig:
          "must be positive lengths"),
         ("max_refill_tasks", self.max_refill_tasks >= 0, "must be >= 0"),
         ("overlong_buffer", self.overlong_buffer >= 0, "must be >= 0"),
+        ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
     ])
     if self.max_refill_tasks and not self.filter_zero_variance:
       raise ValueError("max_refill_tasks refills the groups filter_zero_variance drops; "
                        "turn filtering on")
     if self.max_refill_tasks and self.token_budget is not None:
       raise ValueError("max_refill_tasks cannot run with partial rollouts (token_budget)")
+    if self.max_staleness and self.token_budget is not None:
+      raise ValueError("max_staleness cannot run with partial rollouts (token_budget): an "
+                       "episode carried into a later rollout would train more than "
+                       "max_staleness versions after its first token")
+    if self.max_staleness and self.max_refill_tasks:
+      raise ValueError("max_staleness cannot run with dynamic sampling (max_refill_tasks): "
+                       "refills roll out inside the update")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +268,18 @@ class RLTrainer:
       raise ValueError(f"credit scheme {cfg.credit!r} replays finished episodes of this "
                        "iteration's tasks; it cannot run with partial rollouts "
                        "(token_budget)")
+    if cfg.max_staleness:
+      if self._credit.needs_branches:
+        raise ValueError(f"credit scheme {cfg.credit!r} rolls out continuations inside "
+                         "the update; it cannot run with max_staleness > 0")
+      if jax.process_count() > 1:
+        raise ValueError("max_staleness > 0 runs in one process only")
+      if step.cfg.is_correction != "tis":
+        raise ValueError(
+            "max_staleness > 0 trains on rollouts of older weights: set "
+            "loss.is_correction='tis', so the ratio is taken against the trainer's own "
+            "log-probs and the sampler's are importance-weighted (see pipeline.py)")
+    self._worker = pipeline.RolloutWorker() if cfg.max_staleness else None
     self._rows = None if step.mesh is None else sharding.batch_sharding(step.mesh)
     if self._credit.needs_values:
       # Values come back row-sharded: each process reads its own rows.
@@ -270,7 +297,9 @@ class RLTrainer:
 
   def iteration(self, tasks: Sequence[Task], it: int,
                 refill: Callable[[int], Sequence[Task]] | None = None,
-                record: bool = False) -> dict[str, float]:
+                record: bool = False,
+                upcoming: Callable[[int], Sequence[Task] | None] | None = None
+                ) -> dict[str, float]:
     """One iteration on `tasks` (policy version `it`); returns its metrics.
 
     refill: n -> up to n more tasks (none of `tasks`), for DAPO's dynamic
@@ -278,15 +307,66 @@ class RLTrainer:
     record: keep this iteration's episodes, their credited batch and the
       trainer's log-probs before the update in `self.recorded` (for the
       trajectory viewer).
+    upcoming: with `max_staleness` s > 0, j -> the tasks of iteration j (None
+      past the run's last), for the rollouts started ahead: iterations it + 1
+      .. it + s not yet in flight start now with the current weights.
     """
-    cfg = self.cfg
+    if not self.cfg.max_staleness:
+      return self._learn(self._rollout(tasks, it, it), tasks, it, refill, record)
+    if upcoming is None:
+      raise ValueError("max_staleness > 0 rolls out ahead: pass `upcoming`")
+    weights = None  # the current weights, copied once for every job started now
+    for j in range(it, it + self.cfg.max_staleness + 1):
+      ahead = tasks if j == it else upcoming(j)
+      if j in self._worker or ahead is None:
+        continue
+      if weights is None:
+        weights = self.engine.sampler.prepare_params(self.state.params)
+      self._worker.submit(j, functools.partial(self._rollout, ahead, j, it, weights))
+    t0 = time.perf_counter()
+    rolled = self._worker.take(it)
+    waited = time.perf_counter() - t0
+    metrics = self._learn(rolled, tasks, it, refill, record)
+    metrics["time/rollout_wait_s"] = waited  # what the overlap did not hide
+    return metrics
+
+  def settle(self) -> None:
+    """Waits for the rollouts in flight and gives the sampler the current
+    weights (before an evaluation); with max_staleness 0 there are none."""
+    if self._worker is not None:
+      self._worker.settle()
+      self.engine.sampler.update_params(self.state.params)
+
+  def close(self) -> None:
+    """Stops the rollout worker (its rollouts in flight finish first)."""
+    if self._worker is not None:
+      self._worker.close()
+
+  def _rollout(self, tasks: Sequence[Task], it: int, version: int, weights=None
+               ) -> tuple[RolloutResult, int]:
+    """Iteration `it`'s rollouts of `tasks`, sampled by policy `version` (with
+    `weights`, installed first; None: the sampler's current ones)."""
+    if weights is not None:
+      self.engine.sampler.params = weights
     # Each process samples its own stream (the same one with one process).
     seed = self.seed * 1_000_003 + it + 7919 * jax.process_index()
-    result = self.engine.run(distributed.task_share(tasks), cfg.group_size,
-                             policy_version=it, seed=seed % 2**31,
-                             token_budget=cfg.token_budget,
-                             keep_caches=self._keep_caches)
+    return self.engine.run(distributed.task_share(tasks), self.cfg.group_size,
+                           policy_version=version, seed=seed % 2**31,
+                           token_budget=self.cfg.token_budget,
+                           keep_caches=self._keep_caches), version
+
+  def _learn(self, rolled: tuple[RolloutResult, int], tasks: Sequence[Task], it: int,
+             refill, record: bool) -> dict[str, float]:
+    """Credit, batch, step and weight sync on iteration `it`'s rollouts."""
+    cfg = self.cfg
+    result, version = rolled
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
+    if version != it:  # sampled ahead: staleness counts to the update it feeds
+      stale = [it - min(t.metadata["policy_versions"]) for t in result.trajectories] or [0]
+      for t, st in zip(result.trajectories, stale):
+        t.metadata["staleness"] = st
+      metrics.update({"rollout/staleness_mean": float(np.mean(stale)),
+                      "rollout/staleness_max": float(np.max(stale))})
     outcomes, trajs = self._trainable(result.trajectories, metrics)
     if cfg.token_budget is not None:
       metrics["rollout/carried_episodes"] = float(self.engine.carried)
@@ -331,7 +411,8 @@ class RLTrainer:
     self.state, train_metrics = self.step(self.state, self._to_global(batch), num_actions)
     train_metrics = jax.device_get(train_metrics)
     metrics["time/step_s"] = time.perf_counter() - t0
-    self.engine.sampler.update_params(self.state.params)
+    if self._worker is None:  # asynchronous: each rollout job brings its weights
+      self.engine.sampler.update_params(self.state.params)
     skipped = float(train_metrics["skipped_updates"]) > 0
     self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
     if self.bad_in_a_row >= cfg.max_bad_steps:

@@ -51,10 +51,12 @@ def get_config():
   # multihost: one process per host (agentrl_jax.distributed); an empty
   # coordinator lets jax.distributed.initialize() find everything itself
   # (TPU VM slices, SLURM, ...), else "host:port" of process 0 with
-  # num_processes and this process's process_id.
+  # num_processes and this process's process_id. sampler_devices: the last k
+  # devices sample alone (one host; the trainer's mesh takes the others), so
+  # asynchronous rollouts (rl.max_staleness) run beside the step, not between.
   c.mesh = ml_collections.ConfigDict(dict(
       data=1, fsdp=1, tensor=1, multihost=False, coordinator="", num_processes=1,
-      process_id=0))
+      process_id=0, sampler_devices=0))
 
   c.env = ml_collections.ConfigDict(dict(
       name="frozen_lake", kwargs={}, task_kwargs={}, chat_format="chatml",
@@ -136,6 +138,9 @@ def validate(cfg) -> None:
       ("sft.steps", cfg.sft.steps >= 0, "must be >= 0"),
       ("sft.batch_size", cfg.sft.batch_size >= 1, "must be >= 1"),
       ("sampler.num_slots", cfg.sampler.num_slots >= 1, "must be >= 1"),
+      ("mesh.sampler_devices", cfg.mesh.sampler_devices >= 0
+       and not (cfg.mesh.sampler_devices and cfg.mesh.multihost),
+       "must be >= 0, and 0 with mesh.multihost (each host samples on its own devices)"),
       ("algorithm", cfg.algorithm in ("", *presets.PRESETS),
        f"must be one of {('', *presets.PRESETS)}"),
       ("env.name", env_problem is None, f"does not load: {env_problem}"),
