@@ -46,6 +46,7 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"(^|/)mlp/(gate|up)_proj/kernel$", P("fsdp", "tensor")),  # [d, F]
     (r"(^|/)mlp/down_proj/kernel$", P("tensor", "fsdp")),  # [F, d]
     (r"(^|/)(input_layernorm|post_attention_layernorm|norm)/weight$", P()),
+    (r"(^|/)(pre|post)_feedforward_layernorm/weight$", P()),  # Gemma's MLP norms
     (r"(^|/)self_attn/[qk]_norm/weight$", P()),  # [D]: Qwen3's q/k norms
     (r"(^|/)value_head/(kernel|bias)$", P()),  # [d, 1], [1]: tiny
 )

@@ -266,13 +266,28 @@ QWEN3_NO_THINKING = dataclasses.replace(
     QWEN25, name="qwen3_no_thinking", prompt=QWEN25.prompt + _NO_THINKING,
     observation=QWEN25.observation + _NO_THINKING)
 
+# Gemma 2's and Gemma 3's own templates (tests/data/gemma_chat_template.jinja,
+# gemma3_chat_template.jinja): <bos>, then user and model turns; no system
+# role (Gemma 3 puts the system text and a blank line at the start of the
+# first user turn, as one does by hand for Gemma 2) and no tool blocks. Tools
+# as in ChatML: no schemas rendered, each result a <tool_response> block of
+# one user turn, the calls as the model writes them. The templates strip
+# each message; the deltas keep every character that was sampled.
+GEMMA = ChatFormat(
+    name="gemma",
+    prompt=("<bos><start_of_turn>user\n{system}\n\n{task}<end_of_turn>\n"
+            "<start_of_turn>model\n"),
+    observation="\n<start_of_turn>user{observation}<end_of_turn>\n<start_of_turn>model\n",
+    response=CHATML.response, separator=CHATML.separator,
+    end_of_turn="<end_of_turn>", stops=("<end_of_turn>",))
+
 REACT = ChatFormat(
     name="react",
     prompt="{system}\n\nTask: {task}\n",
     observation="\n<observation>{observation}</observation>\n",
     end_of_turn="", stops=("<|im_end|>",))
 
-FORMATS = {f.name: f for f in (CHATML, QWEN25, QWEN3, QWEN3_NO_THINKING, REACT)}
+FORMATS = {f.name: f for f in (CHATML, QWEN25, QWEN3, QWEN3_NO_THINKING, GEMMA, REACT)}
 
 
 def get_format(name: str) -> ChatFormat:

@@ -72,6 +72,21 @@ def qwen3_tokenizer():
   return T.qwen3_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def gemma_tokenizer():
+  """A stand-in for Gemma's vocabulary, whose real 256k SentencePiece pieces
+  are not available offline: the bundled corpus's 512-token byte-level BPE
+  with Gemma's <pad>, <eos>, <bos> (ids 0-2, as Gemma's) and its turn
+  markers, special tokens as in its tokenizer_config.json."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  turns = ["<start_of_turn>", "<end_of_turn>"]
+  backend = T.train_bpe_tokenizer(T.BUNDLED_CORPUS.read_text().splitlines(), 512,
+                                  special_tokens=("<pad>", "<eos>", "<bos>", *turns))
+  return transformers.PreTrainedTokenizerFast(
+      tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+      additional_special_tokens=turns)
+
+
 def require_browser() -> None:
   """Skips a test that opens a page in headless Chromium where none is
   installed, naming the package; under `AGENTRL_REQUIRE_BROWSER=1` (what

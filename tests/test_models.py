@@ -1,4 +1,5 @@
-"""The NNX decoder against transformers' PyTorch Llama/Qwen2/Qwen3 on the same weights."""
+"""The NNX decoder against transformers' PyTorch Llama/Qwen2/Qwen3/Gemma 2/Gemma 3 on the
+same weights."""
 
 import json
 import os
@@ -29,26 +30,45 @@ def _hf_config(arch):
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
         "rope_theta": 10000.0})
   rope = {"rope_type": "default", "rope_theta": 1e6}
+  # Gemma: a window of 8 (rows of 9-200 tokens), soft caps of 5 (both change
+  # the logits by more than 1), scores scaled by 16**-0.5, not 24**-0.5.
+  # No pad_token_id: torch's nn.Embedding would freeze the gradient of the
+  # pad token's row (ours trains every row; padding never reaches a loss).
+  gemma = dict(head_dim=24, query_pre_attn_scalar=16, sliding_window=8,
+               final_logit_softcapping=5.0, pad_token_id=None)
+  if arch == "gemma2":  # layers 0 sliding, 1 global
+    return transformers.Gemma2Config(**common, **gemma, attn_logit_softcapping=5.0,
+                                     rope_parameters=rope)
+  if arch == "gemma3_text":  # local RoPE base 1e4, global 1e6 with linear scaling
+    return transformers.Gemma3TextConfig(
+        **common, **gemma, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1e6}})
   if arch == "qwen3":  # heads 24 wide, not 64 / 4; q/k norms; untied head
     return transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False,
                                     rope_parameters=rope)
   return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_parameters=rope)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 def checkpoint(request, tmp_path_factory):
   """(arch, torch model, local checkpoint dir) for a tiny random model."""
   torch.manual_seed(0)
   cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-         "qwen3": transformers.Qwen3ForCausalLM}[request.param]
+         "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
+         "gemma3_text": transformers.Gemma3ForCausalLM}[request.param]
   model = cls(_hf_config(request.param)).eval()
-  # HF initialises biases to 0 and norm weights to 1: make them matter.
+  # HF initialises biases to 0 and norm weights to 1 (Gemma's to 0, it
+  # scales by 1 + w): make them matter.
   with torch.no_grad():
     for name, p in model.named_parameters():
       if request.param == "qwen2" and name.endswith("bias"):
         p.normal_(0, 0.5)
       if request.param == "qwen3" and "norm" in name:
         p.normal_(1, 0.5)
+      if request.param.startswith("gemma") and "norm" in name:
+        p.normal_(0, 0.5)
   path = tmp_path_factory.mktemp(request.param)
   model.save_pretrained(path)
   return request.param, model, path
@@ -134,9 +154,11 @@ def test_gradients_match_transformers_autograd(checkpoint):
     np.testing.assert_array_less(np.abs(g - w).max() / scale, 1e-4, err_msg=name)
 
 
-def test_attention_backward_equals_autodiff_of_a_plain_reference():
+@pytest.mark.parametrize("denom, softcap", [(np.sqrt(8), None), (2.0, 1.5)])
+def test_attention_backward_equals_autodiff_of_a_plain_reference(denom, softcap):
   # Random cotangents on every output, fully masked padding rows included:
   # their uniform softmax must pass no gradient (autodiff's select passes none).
+  # With Gemma 2's soft cap (1.5, under most |scores|) and scale.
   rng = np.random.default_rng(3)
   b, kv, g, l, d = 2, 2, 3, 40, 8
   q, dout = (jnp.asarray(rng.normal(size=(b, kv, g, l, d)), jnp.float32) for _ in range(2))
@@ -146,7 +168,9 @@ def test_attention_backward_equals_autodiff_of_a_plain_reference():
   assert not np.asarray(mask)[0, -1].any()  # a fully masked row
 
   def reference(q, k, v):
-    scores = jnp.einsum("bkgld,bksd->bkgls", q, k) / np.sqrt(d)
+    scores = jnp.einsum("bkgld,bksd->bkgls", q, k) / denom
+    if softcap is not None:
+      scores = softcap * jnp.tanh(scores / softcap)
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -1e30), -1)
     return jnp.einsum("bkgls,bksd->bkgld", probs, v)
 
@@ -154,7 +178,8 @@ def test_attention_backward_equals_autodiff_of_a_plain_reference():
     out, pull = jax.vjp(f, q, k, v)
     return out, pull(dout)
 
-  (out, grads), (want_out, want) = vjp(lambda *x: decoder._attend(*x, mask)), vjp(reference)
+  (out, grads), (want_out, want) = (
+      vjp(lambda *x: decoder._attend(*x, mask, denom, softcap)), vjp(reference))
   np.testing.assert_allclose(out, want_out, atol=1e-5)
   for got, ref in zip(grads, want):
     np.testing.assert_allclose(got, ref, atol=1e-5)
@@ -224,7 +249,7 @@ def test_export_round_trips_bit_exactly_and_loads_in_transformers(checkpoint, tm
     assert p1 == p2
     np.testing.assert_array_equal(v1.get_value(), v2.get_value())
   tmodel = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-  assert type(tmodel).__name__.lower().startswith(arch)
+  assert type(tmodel).__name__.lower().startswith(arch.removesuffix("_text"))
   tokens, attn = _batch()
   want = np.asarray(model(jnp.asarray(tokens), None, jnp.asarray(np.where(attn > 0, 0, -1))))
   got = _torch_logits(tmodel, tokens, attn)
@@ -401,3 +426,59 @@ def test_config_round_trip_through_hf():
   with pytest.raises(ValueError, match="use_sliding_window=True"):
     models.from_hf_config(sliding)
 
+
+
+def test_gemma_config_conversion_and_refusals():
+  # transformers' default layer patterns: Gemma 2 alternates from a sliding
+  # layer 0; Gemma 3 has five sliding layers per global one.
+  hf2 = transformers.Gemma2Config(num_hidden_layers=4)
+  cfg2 = models.from_hf_config(hf2)
+  assert cfg2.sliding_layers == (True, False, True, False)
+  assert (cfg2.sliding_window, cfg2.attn_logit_softcap, cfg2.final_logit_softcap) == (
+      4096, 50.0, 30.0)
+  cfg3 = models.from_hf_config(transformers.Gemma3TextConfig(num_hidden_layers=12))
+  assert [i for i in range(12) if not cfg3.is_sliding(i)] == [5, 11]
+  assert (cfg3.rope_theta, cfg3.rope_local_theta, cfg3.qk_norm) == (1e6, 1e4, True)
+  assert models.from_hf_config(models.to_hf_config(cfg3)) == cfg3
+  refused = {
+      "never applies it": transformers.Gemma3TextConfig(attn_logit_softcapping=50.0),
+      "use_bidirectional_attention": transformers.Gemma3TextConfig(
+          use_bidirectional_attention=True),
+      "unsupported hidden activation 'gelu'": transformers.Gemma2Config(
+          hidden_activation="gelu"),
+      "rope type 'linear' on sliding": transformers.Gemma3TextConfig(rope_parameters={
+          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+      "multimodal Gemma 3": transformers.Gemma3Config(),
+  }
+  for message, hf in refused.items():
+    with pytest.raises(ValueError, match=message):
+      models.from_hf_config(hf)
+  with pytest.raises(ValueError, match=r"\['sliding_window', 'sliding_layers'\] have no llama"):
+    models.to_hf_config(models.tiny_config("llama", sliding_window=8,
+                                           sliding_layers=(True, False)))
+  with pytest.raises(ValueError, match="gemma3_text needs rope_local_theta"):
+    models.to_hf_config(models.tiny_config("gemma3_text", rope_local_theta=None))
+  with pytest.raises(ValueError, match="sliding layers need a sliding_window"):
+    models.tiny_config("gemma2", sliding_window=None)
+  with pytest.raises(ValueError, match="sliding_layers has 1 entries for 2 layers"):
+    models.tiny_config("gemma2", sliding_layers=(True,))
+
+
+def test_gemma_embedding_scale_rounds_in_the_activation_dtype():
+  # sqrt(48) = 6.93 is 6.9375 in bf16: transformers multiplies bf16 rows by
+  # that, not by the float32 value (which would round each product differently).
+  torch.manual_seed(0)
+  hf = transformers.Gemma2Config(vocab_size=97, hidden_size=48, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=24, pad_token_id=None)
+  tmodel = transformers.Gemma2ForCausalLM(hf).to(torch.bfloat16)
+  model = models.Decoder(models.from_hf_config(hf, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
+  table = tmodel.model.embed_tokens.weight.detach().float().numpy()
+  model.embed_tokens.embedding.set_value(jnp.asarray(table))
+  ids = np.arange(97)[None]
+  with torch.no_grad():
+    want = tmodel.model.embed_tokens(torch.tensor(ids)).float().numpy()
+  got = np.asarray(model.embed(jnp.asarray(ids)), np.float32)
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(want, (table[ids] * np.sqrt(48)).astype(jnp.bfloat16).astype(np.float32))

@@ -33,6 +33,8 @@ EXPECTED = {
     "value_head/bias": P(),
     "layers/*/input_layernorm/weight": P(),
     "layers/*/post_attention_layernorm/weight": P(),
+    "layers/*/pre_feedforward_layernorm/weight": P(),
+    "layers/*/post_feedforward_layernorm/weight": P(),
     "layers/*/self_attn/q_norm/weight": P(),
     "layers/*/self_attn/k_norm/weight": P(),
     "layers/*/self_attn/q_proj/kernel": P("fsdp", "tensor"),
@@ -71,7 +73,8 @@ def test_every_decoder_param_gets_its_intended_spec(arch):
   specs = _specs(_abstract_params(cfg))
   want = {k: v for k, v in EXPECTED.items()
           if not (k.startswith("lm_head") and cfg.tie_word_embeddings)
-          and not (k.endswith(("q_norm/weight", "k_norm/weight")) and not cfg.qk_norm)}
+          and not (k.endswith(("q_norm/weight", "k_norm/weight")) and not cfg.qk_norm)
+          and not ("feedforward_layernorm" in k and not cfg.gemma)}
   assert specs == {k: {v} for k, v in want.items()}
 
 

@@ -131,7 +131,7 @@ def test_load_local_hf_tokenizer(tok, tmp_path):
 
 
 def test_unknown_format_lists_known():
-  with pytest.raises(ValueError, match=r"known: \['chatml', 'qwen2.5', 'qwen3', "
+  with pytest.raises(ValueError, match=r"known: \['chatml', 'gemma', 'qwen2.5', 'qwen3', "
                                        r"'qwen3_no_thinking', 'react'\]"):
     T.get_format("llama2")
 
@@ -192,16 +192,16 @@ def _tool_messages(system, task, turns, answer, thinks=False):
   return messages
 
 
-def _tool_actions(turns, answer, thinks=False):
+def _tool_actions(turns, answer, thinks=False, end="<|im_end|>"):
   from agentrl_jax import tools  # pylint: disable=import-outside-toplevel
   actions = [_thought(i, thinks) + "\n".join(tools.render_call(n, a) for n, a in calls)
-             + "<|im_end|>" for i, (calls, _) in enumerate(turns)]
-  return actions + [_thought(len(turns), thinks) + answer + "<|im_end|>"]
+             + end for i, (calls, _) in enumerate(turns)]
+  return actions + [_thought(len(turns), thinks) + answer + end]
 
 
-def _delta_ids(tok, fmt, actions, observations):
+def _delta_ids(tok, fmt, actions, observations, tools=TOOL_SCHEMAS):
   """The conversation's ids as a rollout builds them, turn by turn."""
-  ids = fmt.prompt_ids(tok, SYSTEM, TASK, TOOL_SCHEMAS)
+  ids = fmt.prompt_ids(tok, SYSTEM, TASK, tools)
   for t, action in enumerate(actions):
     action_ids = T.encode(tok, action)
     ids += action_ids
@@ -301,3 +301,72 @@ def test_example_tokenizer_is_what_its_script_makes(tmp_path):
       warehouse_tools.TOKENIZER_FILE.read_text())
   tok = T.load_tokenizer(warehouse_tools.TOKENIZER_FILE)
   assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
+
+
+# -- Gemma's own templates -----------------------------------------------------------
+
+# As huggingface/trl vendors them, byte-identical to the checkpoints' (commit
+# f2cd577): trl/chat_templates/gemma.jinja (Gemma and Gemma 2; it refuses a
+# system message) and trl/chat_templates/gemma3.jinja.
+GEMMA_TEMPLATES = {
+    name: (pathlib.Path(__file__).parent / "data" / f"{name}_chat_template.jinja").read_text()
+    for name in ("gemma", "gemma3")}
+
+
+def _gemma_messages(template, turns, answer):
+  """The conversation as the template's messages: tool calls as the model
+  wrote them, each turn's results one user message of <tool_response> blocks."""
+  from agentrl_jax import tools  # pylint: disable=import-outside-toplevel
+  if template == "gemma":  # no system role: its text opens the first user turn
+    messages = [{"role": "user", "content": SYSTEM + "\n\n" + TASK}]
+  else:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+  for calls, results in turns:
+    messages.append({"role": "assistant",
+                     "content": "\n".join(tools.render_call(n, a) for n, a in calls)})
+    messages.append({"role": "user", "content": "\n".join(
+        f"<tool_response>\n{r}\n</tool_response>" for r in results)})
+  if answer is not None:
+    messages.append({"role": "assistant", "content": answer})
+  return messages
+
+
+@pytest.mark.parametrize("template", ["gemma", "gemma3"])
+def test_gemma_renders_turns_as_its_own_template(template, gemma_tokenizer):
+  # With a small BPE that has Gemma's special tokens (tests/conftest.py):
+  # the text is the template's exactly; the ids show that the deltas
+  # tokenize as the template's text does with that vocabulary.
+  tok, fmt, source = gemma_tokenizer, T.get_format("gemma"), GEMMA_TEMPLATES[template]
+  answer = "351 bolts and nuts."
+  actions = _tool_actions(TOOL_TURNS, answer, end="<end_of_turn>")
+  observations = [results for _, results in TOOL_TURNS]
+  for t in range(len(TOOL_TURNS) + 1):
+    reference = tok.apply_chat_template(
+        _gemma_messages(template, TOOL_TURNS[:t], None), chat_template=source,
+        tokenize=False, add_generation_prompt=True)
+    assert fmt.render(SYSTEM, TASK, actions[:t], observations[:t]) == reference
+  messages = _gemma_messages(template, TOOL_TURNS, answer)
+  reference = tok.apply_chat_template(messages, chat_template=source, tokenize=False)
+  assert fmt.render(SYSTEM, TASK, actions, observations) + "\n" == reference
+  reference_ids = tok.apply_chat_template(messages, chat_template=source, tokenize=True,
+                                          return_dict=True)["input_ids"]
+  ids = _delta_ids(tok, fmt, actions, observations, tools=())
+  assert ids + T.encode(tok, "\n") == list(reference_ids)
+  assert ids[0] == tok.bos_token_id
+  assert T.check_prefix_preserving(tok, fmt, SYSTEM, TASK, actions, observations).ok
+  # <end_of_turn> is one special token, so it stops a turn (and so does <eos>).
+  end = tok.convert_tokens_to_ids("<end_of_turn>")
+  stops = fmt.stop_matcher(tok)
+  assert stops.scan(T.encode(tok, "done<end_of_turn>")) == len(T.encode(tok, "done"))
+  assert stops.scan(T.encode(tok, "done") + [tok.eos_token_id]) == len(T.encode(tok, "done"))
+  assert T.encode(tok, actions[0])[-1] == end
+  with pytest.raises(ValueError, match="does not render tool schemas"):
+    fmt.prompt_ids(tok, SYSTEM, TASK, TOOL_SCHEMAS)
+
+
+def test_gemma2_template_refuses_a_system_message(gemma_tokenizer):
+  # Why the format folds the system text into the first user turn.
+  with pytest.raises(Exception, match="System role not supported"):
+    gemma_tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}],
+        chat_template=GEMMA_TEMPLATES["gemma"], tokenize=False)

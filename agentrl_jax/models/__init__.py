@@ -1,4 +1,4 @@
-"""Llama/Qwen2/Qwen3-family decoders in Flax NNX and local Hugging Face checkpoints."""
+"""Llama/Qwen2/Qwen3/Gemma 2/Gemma 3 decoders in Flax NNX and local Hugging Face checkpoints."""
 
 from agentrl_jax.models.config import (
     ModelConfig, SUPPORTED_ARCHS, from_hf_config, tiny_config, to_hf_config)

@@ -1,4 +1,5 @@
-"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 family, with an optional KV cache.
+"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 family, with
+an optional KV cache.
 
 One forward serves the trainer and the sampler, so both compute the same
 function:
@@ -12,11 +13,15 @@ function:
 Numerics follow the transformers implementation: RMSNorm and the attention
 softmax in float32 whatever the activation dtype, RoPE in the "rotate half"
 layout, grouped-query attention; Qwen3's q/k RMSNorm over each head's
-features, before RoPE.
+features, before RoPE. Gemma (`ModelConfig.gemma`) adds (1 + w) norms around
+attention and MLP, scaled embeddings, GeGLU, soft-capped scores and logits,
+and sliding-window layers: the window is a mask over positions (the cache
+keeps every position), so all three paths share it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -94,16 +99,28 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
+  """x / rms(x) * w; Gemma's (`plus_one`) scales by (1 + w), w stored as is
+  (0 at initialisation), in float32 before the cast, as transformers'
+  Gemma2RMSNorm. w is rounded to the activation dtype first (what a model
+  stored in that dtype holds), so float32 masters compute what
+  `compute_params` copies compute."""
 
-  def __init__(self, dim: int, eps: float, dtype, param_dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-    self.eps, self.dtype = eps, dtype
+  def __init__(self, dim: int, eps: float, dtype, param_dtype, plus_one: bool = False):
+    self.weight = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), param_dtype))
+    self.eps, self.dtype, self.plus_one = eps, dtype, plus_one
 
   def __call__(self, x: jax.Array) -> jax.Array:
     # Normalise in float32 (a bf16 mean of squares loses the small entries).
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+    if self.plus_one:
+      w32 = self.weight[...].astype(self.dtype).astype(jnp.float32)
+      return (x32 * (1.0 + w32)).astype(self.dtype)
     return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+  return RMSNorm(dim, cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, plus_one=cfg.gemma)
 
 
 class _Linear(nnx.Linear):
@@ -149,9 +166,10 @@ class Attention(nnx.Module):
     self.k_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
     self.v_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
     self.o_proj = _linear(cfg, cfg.num_heads * hd, d, cfg.o_bias, rngs)
-    norm = lambda: RMSNorm(hd, cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
-    self.q_norm = norm() if cfg.qk_norm else None
-    self.k_norm = norm() if cfg.qk_norm else None
+    self.q_norm = _norm(cfg, hd) if cfg.qk_norm else None
+    self.k_norm = _norm(cfg, hd) if cfg.qk_norm else None
+    # Scores are q.k / denom, soft-capped (Gemma 2) before the mask.
+    self.denom = math.sqrt(cfg.query_pre_attn_scalar or hd)
 
   def __call__(self, x, positions, rope, mask, cache_kv):
     """x [B, L, d]; mask [B, L, S] bool; cache_kv None or ([B,KV,S,D],) * 2."""
@@ -160,7 +178,7 @@ class Attention(nnx.Module):
     kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     q = self.q_proj(x).reshape(b, l, cfg.num_heads, hd)
     k = self.k_proj(x).reshape(b, l, kv, hd)
-    if cfg.qk_norm:  # per head, over its hd features (transformers' Qwen3)
+    if cfg.qk_norm:  # per head, over its hd features (transformers' Qwen3, Gemma 3)
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, rope), apply_rope(k, rope)
     v = self.v_proj(x).reshape(b, l, kv, hd)
@@ -184,10 +202,11 @@ class Attention(nnx.Module):
       # the tiny model's forward + backward takes 12% less).
       edges = _query_blocks(l)
       out = jnp.concatenate(
-          [_attend(q[:, :, :, a:e], k[:, :, :e], v[:, :, :e], mask[:, a:e, :e])
+          [_attend(q[:, :, :, a:e], k[:, :, :e], v[:, :, :e], mask[:, a:e, :e],
+                   self.denom, cfg.attn_logit_softcap)
            for a, e in zip(edges, edges[1:])], axis=3)
     else:
-      out = _attend(q, k, v, mask)
+      out = _attend(q, k, v, mask, self.denom, cfg.attn_logit_softcap)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, l, -1)
     return self.o_proj(out), cache_kv
 
@@ -198,40 +217,51 @@ def _query_blocks(length: int) -> list[int]:
   return [round(i * length / n) for i in range(n + 1)]
 
 
-@jax.custom_vjp
-def _attend(q, k, v, mask):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend(q, k, v, mask, denom, softcap):
   """q [B, KV, G, L, D], k and v [B, KV, S, D], mask [B, L, S] -> [B, KV, G, L, D].
 
-  Its backward is written out (`_attend_bwd`): the autodiff one contracts
-  the key gradients over two axes (G and L) and sums dP * P over the keys;
-  this one takes 2x less time on XLA:CPU (the tiny model's step: 11% less).
+  Scores are q.k / denom, soft-capped to softcap * tanh(scores / softcap)
+  if softcap is not None (Gemma 2), then masked. Its backward is written out
+  (`_attend_bwd`): the autodiff one contracts the key gradients over two
+  axes (G and L) and sums dP * P over the keys; this one takes 2x less time
+  on XLA:CPU (the tiny model's step: 11% less).
   """
-  return _attend_fwd(q, k, v, mask)[0]
+  return _attend_fwd(q, k, v, mask, denom, softcap)[0]
 
 
-def _attend_fwd(q, k, v, mask):
-  # Scores and softmax in float32 (bf16 exp/sum over long contexts drifts).
+def _scores(q, k, denom, softcap):
+  """[B, KV, G, L, S] float32 scores (bf16 exp/sum over long contexts drifts)."""
   scores = jnp.einsum("bkgld,bksd->bkgls", q, k,
-                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-  scores = jnp.where(mask[:, None, None], scores, _MASKED)
+                      preferred_element_type=jnp.float32) / denom
+  return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _attend_fwd(q, k, v, mask, denom, softcap):
+  scores = jnp.where(mask[:, None, None], _scores(q, k, denom, softcap), _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgls,bksd->bkgld", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.astype(v.dtype), (q, k, v, mask, probs, out)
 
 
-def _attend_bwd(res, d_out):
+def _attend_bwd(denom, softcap, res, d_out):
   """The softmax gradient P * (dP - rowsum(dP * P)), its row sum taken as
   rowsum(dO * O) over D, not S (flash attention's identity); zero where
-  masked (also in a fully masked row, whose P is uniform)."""
+  masked (also in a fully masked row, whose P is uniform). A soft cap's
+  derivative 1 - tanh^2 recomputes the scores rather than keep [.., L, S]
+  more of them alive from the forward pass."""
   q, k, v, mask, probs, out = res
-  b, kv, g, l, d = q.shape
+  b, kv, g, l, _ = q.shape
   # Queries of a KV group as one [G * L] axis: one contracting axis per dot.
   merge = lambda x: x.reshape(b, kv, g * l, x.shape[-1])
   d_v = jnp.einsum("bkns,bknd->bksd", merge(probs.astype(v.dtype)), merge(d_out))
   d_probs = jnp.einsum("bkgld,bksd->bkgls", d_out, v, preferred_element_type=jnp.float32)
   row = jnp.sum(d_out.astype(jnp.float32) * out, axis=-1, keepdims=True)
-  d_scores = jnp.where(mask[:, None, None], probs * (d_probs - row), 0.0) / math.sqrt(d)
+  d_scores = jnp.where(mask[:, None, None], probs * (d_probs - row), 0.0)
+  if softcap is not None:
+    d_scores = d_scores * (1.0 - jnp.square(_scores(q, k, denom, softcap) / softcap))
+  d_scores = d_scores / denom
   d_q = jnp.einsum("bkgls,bksd->bkgld", d_scores.astype(k.dtype), k)
   d_k = jnp.einsum("bkns,bknd->bksd", merge(d_scores.astype(q.dtype)), merge(q))
   return d_q, d_k, d_v, None
@@ -240,31 +270,47 @@ def _attend_bwd(res, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+  """transformers' gelu_pytorch_tanh (a module-level function: a Module's
+  static attributes are part of its graphdef, compared by jit caches)."""
+  return jax.nn.gelu(x, approximate=True)
+
+
 class MLP(nnx.Module):
+  """Gated MLP: SwiGLU, or Gemma's GeGLU."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.intermediate_size
     self.gate_proj = _linear(cfg, d, f, False, rngs)
     self.up_proj = _linear(cfg, d, f, False, rngs)
     self.down_proj = _linear(cfg, f, d, False, rngs)
+    self.act = _gelu_tanh if cfg.gemma else jax.nn.silu
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
+  """Pre-norm block. Llama's post_attention_layernorm is its MLP's input
+  norm; Gemma's normalises the attention output, and two more norms wrap
+  the MLP (transformers' names, so checkpoints map one to one)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
-                           cfg.param_dtype)
-    self.input_layernorm = norm()
+    self.gemma = cfg.gemma
+    self.input_layernorm = _norm(cfg, cfg.hidden_size)
     self.self_attn = Attention(cfg, rngs)
-    self.post_attention_layernorm = norm()
+    self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
     self.mlp = MLP(cfg, rngs)
+    self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size) if cfg.gemma else None
+    self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size) if cfg.gemma else None
 
   def __call__(self, x, positions, rope, mask, cache_kv):
     h, cache_kv = self.self_attn(self.input_layernorm(x), positions, rope, mask,
                                  cache_kv)
+    if self.gemma:
+      x = x + self.post_attention_layernorm(h)
+      h = self.mlp(self.pre_feedforward_layernorm(x))
+      return x + self.post_feedforward_layernorm(h), cache_kv
     x = x + h
     return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
 
@@ -343,7 +389,7 @@ def compute_params(params, dtype):
 
 
 class Decoder(nnx.Module):
-  """Llama/Qwen2/Qwen3 decoder: tokens [B, L] -> logits [B, L, V] (+ values [B, L])."""
+  """Llama/Qwen2/Qwen3/Gemma decoder: tokens [B, L] -> logits [B, L, V] (+ values [B, L])."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -352,11 +398,20 @@ class Decoder(nnx.Module):
         param_dtype=cfg.param_dtype,
         embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
-    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
+    self.norm = _norm(cfg, cfg.hidden_size)
     self.lm_head = (None if cfg.tie_word_embeddings
                     else _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs))
     self.value_head = (_linear(cfg, cfg.hidden_size, 1, True, rngs)
                        if cfg.value_head else None)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """[B, L] ids -> [B, L, d] in the activation dtype; Gemma's times
+    sqrt(d) rounded to that dtype first, as transformers (bf16 makes
+    sqrt(3072) = 55.43 into 55.5)."""
+    x = self.embed_tokens(tokens)
+    if not self.cfg.gemma:
+      return x
+    return x * jnp.asarray(math.sqrt(self.cfg.hidden_size), jnp.float32).astype(x.dtype)
 
   def hidden_states(self, tokens: jax.Array, positions: jax.Array, *,
                     seq_ids: jax.Array | None = None,
@@ -373,37 +428,52 @@ class Decoder(nnx.Module):
     """
     chex.assert_rank([tokens, positions], 2)
     chex.assert_equal_shape([tokens, positions])
+    cfg = self.cfg
     if cache is None:
       if seq_ids is None:
         seq_ids = jnp.zeros(tokens.shape, jnp.int32)
       mask = attention_mask(seq_ids)
+      key_positions = positions
     else:
       if seq_ids is not None:
         raise ValueError("seq_ids is for training batches; a cache has slots")
-      key_positions = jnp.arange(cache.length)
-      mask = key_positions[None, None, :] <= positions[:, :, None]
-    x = self.embed_tokens(tokens)
-    rope = rope_tables(positions, self.cfg)  # once, not per layer
+      key_positions = jnp.arange(cache.length)[None]
+      mask = key_positions[:, None, :] <= positions[:, :, None]
+    x = self.embed(tokens)
+    # Per attention kind, once, not per layer: (rope, mask) of global layers
+    # and of sliding ones (a window over positions; own RoPE base in Gemma 3).
+    rope = rope_tables(positions, cfg)
+    kinds = {False: (rope, mask)}
+    if any(cfg.sliding_layers):
+      local_rope = rope if cfg.rope_local_theta is None else rope_tables(
+          positions, cfg.replace(rope_type="default", rope_theta=cfg.rope_local_theta))
+      near = positions[:, :, None] - key_positions[:, None, :] < cfg.sliding_window
+      kinds[True] = (local_rope, mask & near)
     new_cache = None
     if cache is None:
       # Remat is for training's backward pass; a sampler's cached steps have none.
-      for layer in self.layers:
-        x = (_remat_layer(layer, x, positions, rope, mask) if self.cfg.remat
-             else layer(x, positions, rope, mask, None)[0])
+      for i, layer in enumerate(self.layers):
+        layer_rope, layer_mask = kinds[cfg.is_sliding(i)]
+        x = (_remat_layer(layer, x, positions, layer_rope, layer_mask) if cfg.remat
+             else layer(x, positions, layer_rope, layer_mask, None)[0])
     else:
       new_k, new_v = [], []
       for i, layer in enumerate(self.layers):
-        x, (k, v) = layer(x, positions, rope, mask, (cache.k[i], cache.v[i]))
+        layer_rope, layer_mask = kinds[cfg.is_sliding(i)]
+        x, (k, v) = layer(x, positions, layer_rope, layer_mask, (cache.k[i], cache.v[i]))
         new_k.append(k)
         new_v.append(v)
       new_cache = KVCache(k=tuple(new_k), v=tuple(new_v))
     return self.norm(x), new_cache
 
   def logits(self, hidden: jax.Array) -> jax.Array:
-    """[..., d] -> [..., V] in the activation dtype."""
-    if self.lm_head is None:
-      return self.embed_tokens.attend(hidden)
-    return self.lm_head(hidden)
+    """[..., d] -> [..., V] in the activation dtype (soft-capped in float32)."""
+    logits = (self.embed_tokens.attend(hidden) if self.lm_head is None
+              else self.lm_head(hidden))
+    cap = self.cfg.final_logit_softcap
+    if cap is None:
+      return logits
+    return (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
 
   def values(self, hidden: jax.Array) -> jax.Array:
     """[..., d] -> [...] float32 scalar values (needs cfg.value_head)."""

@@ -4,11 +4,13 @@ Never touches the network: configs are read with `local_files_only=True`.
 Set HF_HUB_OFFLINE=1 in the environment before the process starts, or a
 path typo can make transformers retry the hub for ~45 s before failing.
 
-Parameter names map one to one onto transformers' Llama/Qwen2/Qwen3 names: our
-NNX path `layers.3.self_attn.q_proj.kernel` is `model.layers.3.self_attn.
-q_proj.weight` transposed (torch Linear stores [out, in]); `embed_tokens.
-embedding` is `model.embed_tokens.weight`; `lm_head.kernel` is `lm_head.
-weight`. The optional value head is ours, not HF's: it is saved next to the
+Parameter names map one to one onto transformers' Llama/Qwen2/Qwen3/Gemma 2/
+Gemma 3 (text-only Gemma3ForCausalLM) names: our NNX path
+`layers.3.self_attn.q_proj.kernel` is `model.layers.3.self_attn.q_proj.weight`
+transposed (torch Linear stores [out, in]); `embed_tokens.embedding` is
+`model.embed_tokens.weight`; `lm_head.kernel` is `lm_head.weight`. Gemma's
+norm weights are stored as transformers stores them (the w of 1 + w). The
+optional value head is ours, not HF's: it is saved next to the
 export as `value_head.safetensors` and loaded from there when present.
 """
 
@@ -83,7 +85,7 @@ def _weight_files(local_dir: pathlib.Path) -> list[pathlib.Path]:
 def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
                     param_dtype=jnp.float32, value_head: bool = False,
                     remat: bool = False, seed: int = 0) -> Decoder:
-  """Loads a local Llama/Qwen2/Qwen3 checkpoint (config.json + safetensors).
+  """Loads a local Llama/Qwen2/Qwen3/Gemma 2/Gemma 3 text checkpoint.
 
   Args:
     local_dir: a directory as written by transformers' `save_pretrained`
