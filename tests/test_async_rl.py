@@ -114,6 +114,14 @@ def test_max_staleness_refuses_what_it_cannot_bound():
     _trainer({}, {"max_staleness": 1}, TIS).iteration(_tasks(1), 1)
 
 
+def test_rollouts_started_ahead_must_be_on_the_tasks_given_later():
+  trainer = _trainer({}, {"max_staleness": 1}, TIS)
+  trainer.iteration(_tasks(1), 1, upcoming=_tasks)  # starts iteration 2 on _tasks(2)
+  with pytest.raises(ValueError, match="other tasks than it was given"):
+    trainer.iteration(_tasks(3), 2, upcoming=_tasks)
+  trainer.close()
+
+
 def test_worker_runs_jobs_in_order_and_raises_their_errors():
   worker, order = pipeline.RolloutWorker(), []
   for i in range(3):

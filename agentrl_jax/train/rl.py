@@ -280,6 +280,7 @@ class RLTrainer:
             "loss.is_correction='tis', so the ratio is taken against the trainer's own "
             "log-probs and the sampler's are importance-weighted (see pipeline.py)")
     self._worker = pipeline.RolloutWorker() if cfg.max_staleness else None
+    self._ahead: dict[int, list[str]] = {}  # the task ids of the rollouts started ahead
     self._rows = None if step.mesh is None else sharding.batch_sharding(step.mesh)
     if self._credit.needs_values:
       # Values come back row-sharded: each process reads its own rows.
@@ -323,6 +324,10 @@ class RLTrainer:
       if weights is None:
         weights = self.engine.sampler.prepare_params(self.state.params)
       self._worker.submit(j, functools.partial(self._rollout, ahead, j, it, weights))
+      self._ahead[j] = [t.task_id for t in ahead]
+    if self._ahead.pop(it) != [t.task_id for t in tasks]:
+      raise ValueError(f"iteration {it}'s rollouts started ahead on other tasks than "
+                       "it was given: `upcoming` must return each iteration's tasks")
     t0 = time.perf_counter()
     rolled = self._worker.take(it)
     waited = time.perf_counter() - t0
