@@ -49,6 +49,7 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"(^|/)(pre|post)_feedforward_layernorm/weight$", P()),  # Gemma's MLP norms
     (r"(^|/)self_attn/[qk]_norm/weight$", P()),  # [D]: Qwen3's q/k norms
     (r"(^|/)value_head/(kernel|bias)$", P()),  # [d, 1], [1]: tiny
+    (r"(^|/)lora/lora_[ab]$", P()),  # LoRA adapters [din, r], [r, dout]: small
 )
 
 

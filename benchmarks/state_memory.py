@@ -1,4 +1,5 @@
-"""Per-device memory of the RL train state of Qwen2.5 0.5B, 1.5B and 7B.
+"""Per-device memory of the RL train state of Qwen2.5 0.5B, 1.5B and 7B,
+and of 0.5B and 7B under LoRA.
 
   python benchmarks/state_memory.py
 
@@ -12,12 +13,18 @@ on a `MeshConfig(fsdp=n)` mesh of n simulated CPU devices (fsdp=1 is the
 total); biases and norms are replicated by rule, and a dimension that does
 not divide n stays replicated (`fit_spec`), counted whole on every device.
 
+Under LoRA (`models.lora`, rank 8 and 16 on every linear) only the
+adapters have masters, moments, gradients and a reference; the frozen base
+is one bf16 copy in the state (2 bytes a parameter) next to the sampler's
+(2 more).
+
 Not counted: activations (and what remat saves of them), the sampler's KV
 cache, the rollout batch, XLA temporaries (FSDP's all-gathered layer
 weights, the logits, optax's updates tree), and with `micro_batches` > 1 the
 second gradient copy (the scan's accumulator next to one micro-batch's).
 
-The last line is `<model>_params=N <model>_fsdp<n>_gib=x ...`.
+The last line is `<model>_params=N <model>_fsdp<n>_gib=x ...
+<model>_lora<r>_trainable=N <model>_lora<r>_fsdp<n>_gib=x ...`.
 """
 
 import functools
@@ -39,9 +46,11 @@ from agentrl_jax import models, sharding, train  # pylint: disable=wrong-import-
 
 GIB = 2**30
 FSDP = (1, 4, 8)
-PARTS = ("masters", "moments", "gradients", "reference", "sampler")
-HEADER = ("masters (f32)", "AdamW moments", "gradients", "KL reference (bf16)",
-          "sampler copy (bf16)")
+PARTS = ("masters", "moments", "gradients", "frozen", "reference", "sampler")
+HEADER = ("masters (f32)", "AdamW moments", "gradients", "frozen base (bf16)",
+          "KL reference (bf16)", "sampler copy (bf16)")
+LORA_MODELS = ("qwen2.5-0.5b", "qwen2.5-7b")
+LORA_RANKS = (8, 16)
 
 
 def _qwen25(hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied):
@@ -62,16 +71,19 @@ QWEN25 = {
 
 
 @functools.cache  # a 7B trace takes seconds; every mesh reuses it
-def abstract_state(cfg):
+def abstract_state(cfg, lora=None):
   """(TrainState, sampler params) of ShapeDtypeStructs, as `experiments/
-  train_agent.py` builds them: `init_train_state` with a KL reference, and
+  train_agent.py` builds them: `init_train_state` with a KL reference (with
+  adapters when `lora`, a `models.LoraConfig`, is given), and
   `Sampler.update_params`'s `compute_params` copy."""
   tx = train.make_optimizer(train.OptimConfig())
 
   def build():
     model = models.Decoder(cfg, rngs=nnx.Rngs(0))
+    if lora is not None:
+      model = models.add_adapters(model, lora, nnx.Rngs(1))
     state = train.init_train_state(model, tx, with_reference=True)[1]
-    return state, models.compute_params(state.params, cfg.dtype)
+    return state, models.compute_params(state.model_params, cfg.dtype)
 
   return jax.eval_shape(build)
 
@@ -83,24 +95,26 @@ def _bytes(tree, mesh):
              for x, s in zip(jax.tree.leaves(tree), shards, strict=True))
 
 
-def state_memory(cfg, fsdp, devices=None):
+def state_memory(cfg, fsdp, devices=None, lora=None):
   """Per-device bytes of each part of the RL state on a MeshConfig(fsdp=fsdp)
-  mesh over the first `fsdp` devices: {part: bytes} for PARTS, plus "total"
-  and "params" (the parameter count)."""
+  mesh over the first `fsdp` devices: {part: bytes} for PARTS, plus "total",
+  "params" (the model's parameter count) and "trainable" (those trained)."""
   devices = (jax.devices() if devices is None else devices)[:fsdp]
   mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=fsdp), devices)
-  state, sampler_params = abstract_state(cfg)
+  state, sampler_params = abstract_state(cfg, lora)
   out = dict(
       masters=_bytes(state.params, mesh),
       moments=_bytes(state.opt_state, mesh),  # mu, nu (+ scalar counters)
       # Gradients have the params' shapes, dtype (float32) and sharding.
       gradients=_bytes(state.params, mesh),
+      frozen=0 if state.frozen is None else _bytes(state.frozen, mesh),
       reference=_bytes(state.ref_params, mesh),
       # The sampler shards its copy by the same rules over its own mesh,
       # here the trainer's.
       sampler=_bytes(sampler_params, mesh))
   out["total"] = sum(out[k] for k in PARTS)
-  out["params"] = sum(x.size for x in jax.tree.leaves(state.params))
+  out["trainable"] = sum(x.size for x in jax.tree.leaves(state.params))
+  out["params"] = out["trainable"] + sum(x.size for x in jax.tree.leaves(state.frozen))
   return out
 
 
@@ -111,6 +125,17 @@ def replicated_leaves(cfg, fsdp):
   flat = jax.tree_util.tree_flatten_with_path(abstract_state(cfg)[0].params)[0]
   return [sharding.path_str(p) for p, x in flat if x.ndim == 2 and "fsdp" not in
           sharding.partition_spec(sharding.path_str(p), x.shape, mesh)]
+
+
+def _table(first, rows):
+  print()
+  print(f"| {first} | fsdp | {' | '.join(HEADER)} | total per device (GiB) |")
+  print("|---|" + "---|" * first.count("|") + "---|" + "---|" * (len(HEADER) + 1))
+  print("\n".join(rows))
+
+
+def _cells(m) -> str:
+  return " | ".join(f"{m[k] / GIB:.2f}" for k in PARTS) + f" | {m['total'] / GIB:.2f}"
 
 
 def main():
@@ -125,14 +150,19 @@ def main():
         print("  matrices fit_spec replicates: " + "; ".join(
             f"fsdp={k}: {', '.join(replicated_leaves(cfg, k)) or 'none'}"
             for k in FSDP[1:]))
-      cells = [f"{m[k] / GIB:.2f}" for k in PARTS]
-      rows.append(f"| {name} | {m['params'] / 1e9:.2f}B | {n} | "
-                  f"{' | '.join(cells)} | {m['total'] / GIB:.2f} |")
+      rows.append(f"| {name} | {m['params'] / 1e9:.2f}B | {n} | {_cells(m)} |")
       pairs.append(f"{name}_fsdp{n}_gib={m['total'] / GIB:.3f}")
-  print()
-  print(f"| model | parameters | fsdp | {' | '.join(HEADER)} | total per device (GiB) |")
-  print("|---|---|---|" + "---|" * (len(HEADER) + 1))
-  print("\n".join(rows))
+  _table("model | parameters", rows)
+  rows = []
+  for name in LORA_MODELS:
+    for rank in LORA_RANKS:
+      lora = models.LoraConfig(rank=rank, alpha=2.0 * rank)
+      for n in (FSDP[0], FSDP[-1]):
+        m = state_memory(QWEN25[name], n, lora=lora)
+        rows.append(f"| {name} | {rank} | {m['trainable'] / 1e6:.1f}M | {n} | {_cells(m)} |")
+        pairs.append(f"{name}_lora{rank}_fsdp{n}_gib={m['total'] / GIB:.3f}")
+      pairs.append(f"{name}_lora{rank}_trainable={m['trainable']}")
+  _table("model | LoRA rank | trained parameters", rows)
   print()
   print(" ".join(pairs))
 

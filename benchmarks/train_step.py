@@ -1,6 +1,6 @@
 """Train-step throughput and peak memory vs PyTorch eager, and recompilations.
 
-  python benchmarks/train_step.py [--sizes tiny,qwenvocab --iterations 50]
+  python benchmarks/train_step.py [--sizes tiny,qwenvocab --iterations 50] [--lora 8]
 
 Two sizes, each on the same random weights and batch in both frameworks:
   tiny       2 layers, d = 128, vocab 512, batch 16 x 256, 75% action tokens
@@ -25,6 +25,11 @@ resident memory over one step (Linux VmHWM, reset before the step), in a
 fresh process that gives every tensor of 1 MiB or more its own pages
 (`torch_peak`); the CPU allocator keeps no peak statistic of its own.
 
+With `--lora R`, ours also runs the same step with rank-R LoRA adapters on
+every linear (`models.lora`; the base frozen, in its own bf16-or-float32
+copy), timed in the same rounds; its line gives the trained parameters and
+peak memory next to full fine-tuning's.
+
 Then `iterations` RL steps of the tiny size on freshly collated batches of
 random lengths (two length buckets, compiled in warm-up) count how many new
 compilations happen (goal: none). The last line is
@@ -41,11 +46,12 @@ import subprocess
 import sys
 
 from common import llama_pair, median_times, torch_token_logprobs
+from flax import nnx
 import jax
 import numpy as np
 import torch
 
-from agentrl_jax import losses, train
+from agentrl_jax import losses, models, train
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
 
 BETA, EPS = 0.02, 0.2
@@ -179,9 +185,10 @@ def tensor_bytes(*modules_or_opt) -> int:
   return total
 
 
-def compare(name: str, size: Size, rng):
-  """Times one size and prints its table; returns the like-for-like speed
-  ratio, our peak memory, the lean step and its state."""
+def compare(name: str, size: Size, rng, lora_rank: int = 0):
+  """Times one size and prints its table (with a rank-`lora_rank` LoRA step
+  when > 0); returns the like-for-like speed ratio, our peak memory, the
+  lean step and its state."""
   tpolicy, model = llama_pair(layers=size.layers, hidden=size.hidden, vocab=size.vocab)
   tref = copy.deepcopy(tpolicy).eval()
   bucket = (size.length,)
@@ -196,7 +203,13 @@ def compare(name: str, size: Size, rng):
     steps[behaviour] = train.RLStep(graphdef, tx, train.LossConfig(
         clip_low=EPS, clip_high=EPS, kl_beta=BETA, behaviour_forward=behaviour))
     states[behaviour] = jax.tree.map(lambda x: x.copy(), state0)
-  del state0, model
+  del state0
+  if lora_rank:  # the adapters go on the model the states were copied from
+    models.add_adapters(model, models.LoraConfig(rank=lora_rank), nnx.Rngs(1))
+    lora_graphdef, states["lora"] = train.init_train_state(model, tx, with_reference=True)
+    steps["lora"] = train.RLStep(lora_graphdef, tx, train.LossConfig(
+        clip_low=EPS, clip_high=EPS, kl_beta=BETA, behaviour_forward=False))
+  del model
 
   def ours(behaviour):
     def run():
@@ -207,7 +220,9 @@ def compare(name: str, size: Size, rng):
   opt = torch.optim.AdamW(tpolicy.parameters(), lr=1e-5, weight_decay=0.0)
   tb = _torch_batch(batch)
   run_torch = lambda: torch_step(tpolicy, tref, opt, *tb)
-  t_lean, t_default, t_torch = median_times([ours(False), ours(True), run_torch])
+  times = median_times([ours(False), ours(True), run_torch]
+                       + ([ours("lora")] if lora_rank else []))
+  t_lean, t_default, t_torch = times[:3]
 
   mem_ours = xla_peak(steps[False], states[False], batch, num_actions)
   mem_default = xla_peak(steps[True], states[True], batch, num_actions)
@@ -220,6 +235,14 @@ def compare(name: str, size: Size, rng):
                         ("torch eager", t_torch, None)):
     print(f"  {label:32s} {tokens / t:9.0f} tok/s  {t * 1e3:7.0f} ms" +
           ("" if mem is None else f"  peak {mem / 2**20:7.0f} MiB"))
+  if lora_rank:
+    count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+    full, trained = count(states[False].params), count(states["lora"].params)
+    mem_lora = xla_peak(steps["lora"], states["lora"], batch, num_actions)
+    print(f"  {f'ours, LoRA rank {lora_rank}, fwd off':32s} {tokens / times[3]:9.0f} tok/s  "
+          f"{times[3] * 1e3:7.0f} ms  peak {mem_lora / 2**20:7.0f} MiB  trains {trained:,} "
+          f"of {full:,} parameters ({trained / full:.2%}); vs full: step time "
+          f"{times[3] / t_lean:.2f}x, peak memory {mem_lora / mem_ours:.2f}x")
   return dict(speed=t_torch / t_lean, mem_ours=mem_ours, step=steps[False],
               state=states[False])
 
@@ -241,6 +264,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--sizes", default="tiny,qwenvocab")
   p.add_argument("--iterations", type=int, default=50)
+  p.add_argument("--lora", type=int, default=0, help="also time a rank-R LoRA step")
   p.add_argument("--torch-peak-of", help=argparse.SUPPRESS)  # see torch_peak
   args = p.parse_args()
   if args.torch_peak_of:
@@ -250,7 +274,7 @@ def main():
   rng = np.random.default_rng(0)
   print(f"{jax.devices()[0].platform}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads)")
-  out = {name: compare(name, SIZES[name], rng) for name in names}
+  out = {name: compare(name, SIZES[name], rng, args.lora) for name in names}
   line = [f"step_vs_torch_{name}={out[name]['speed']:.2f}" for name in names]
   if "tiny" in out:
     recompiles = count_recompiles(out["tiny"]["step"], out["tiny"]["state"], rng,

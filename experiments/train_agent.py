@@ -54,14 +54,19 @@ _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Output directory.")
 
 def build_model(cfg):
-  """Compute in `model.dtype`, train `model.param_dtype` masters."""
+  """Compute in `model.dtype`, train `model.param_dtype` masters; with
+  `model.lora.rank` > 0, adapters on the base (which then stays frozen)."""
   dtype, param_dtype = jnp.dtype(cfg.model.dtype), jnp.dtype(cfg.model.param_dtype)
   if cfg.model.path:
-    return models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
-                                  value_head=_value_head(cfg), remat=cfg.model.remat)
-  return models.Decoder(models.tiny_config(
-      cfg.model.arch, dtype=dtype, param_dtype=param_dtype, value_head=_value_head(cfg),
-      remat=cfg.model.remat, **cfg.model.tiny), rngs=nnx.Rngs(cfg.seed))
+    model = models.from_pretrained(cfg.model.path, dtype=dtype, param_dtype=param_dtype,
+                                   value_head=_value_head(cfg), remat=cfg.model.remat)
+  else:
+    model = models.Decoder(models.tiny_config(
+        cfg.model.arch, dtype=dtype, param_dtype=param_dtype, value_head=_value_head(cfg),
+        remat=cfg.model.remat, **cfg.model.tiny), rngs=nnx.Rngs(cfg.seed))
+  # The adapters' own stream: the base's draws stay those of the plain model.
+  rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(cfg.seed), 1))
+  return models.add_adapters(model, models.LoraConfig(**cfg.model.lora), rngs)
 
 
 def _value_head(cfg) -> bool:
@@ -204,12 +209,14 @@ def run(cfg, workdir, explicit=()) -> dict | None:
             **({pass_key: m[pass_key]} if pass_key in m else {})}
   resume = ckpt.latest_step()
   if resume is not None:
-    abstract = jax.eval_shape(lambda: state)
+    # A checkpoint holds no frozen LoRA base: the one built above is it.
+    abstract = jax.eval_shape(lambda: train.checkpointed(state))
     if mesh is not None:  # restore straight into the shards
       abstract = sharding.abstract_state(abstract, sharding.param_shardings(abstract, mesh))
     # A step that does not read back (a crash mid-write) is skipped, warned.
-    resume, state, progress = ckpt.restore_latest(abstract_state=abstract)
-    sampler.update_params(state.params)
+    resume, restored, progress = ckpt.restore_latest(abstract_state=abstract)
+    state = restored.replace(frozen=state.frozen)
+    sampler.update_params(state.model_params)
     if primary:
       print(f"resumed from {workdir / 'checkpoints'} step {resume}: {progress}")
   writer = metrics.MetricsWriter(workdir, resume_step=resume) if primary else None
@@ -252,7 +259,7 @@ def run(cfg, workdir, explicit=()) -> dict | None:
                         batch_size=cfg.sft.batch_size, buckets=cfg.rl.buckets,
                         seed=cfg.seed, on_step=on_step)
     bar.close()
-    sampler.update_params(state.params)
+    sampler.update_params(state.model_params)
   if progress["phase"] == "sft":
     # RL starts from the SFT (or loaded) policy: it is also the KL reference.
     # The SFT moments and reference go first: never two sets in memory.
@@ -266,7 +273,7 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     at_start = sampled()
     progress.update({f"sft_{k}": v for k, v in at_start.items()})
     log(0, {"success": progress["sft_success"], **at_start}, prefix="eval/")
-    ckpt.save(0, state, progress)
+    ckpt.save(0, train.checkpointed(state), progress)
   if primary:
     print(f"held-out success after SFT: {progress['sft_success']:.3f}")
 
@@ -316,7 +323,7 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     postfix.update(progress_postfix(m))
     bar.set_postfix(postfix)
     if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
-      ckpt.save(it + 1, trainer.state, {**progress, "iteration": it + 1})
+      ckpt.save(it + 1, train.checkpointed(trainer.state), {**progress, "iteration": it + 1})
   trainer.close()
   ckpt.close()
   engine.close()

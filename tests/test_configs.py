@@ -173,7 +173,7 @@ def test_config_sections_are_the_library_dataclasses():
       "rollout": {"max_action_tokens", "max_observation_tokens", "env_workers", "lockstep"},
       "optim": {"learning_rate", "total_steps", "b2"},
       "rl_optim": {"learning_rate", "warmup_steps", "total_steps", "b2"},
-      "loss": set(), "rl": {"buckets"}}
+      "loss": set(), "rl": {"buckets"}, "model.lora": set()}
   cfg = base.get_config()
   for name, cls in base.SECTIONS.items():
     fields = {f.name: f.default for f in dataclasses.fields(cls)}

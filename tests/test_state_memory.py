@@ -72,6 +72,26 @@ def test_published_parameter_counts_and_20_bytes_each(run):
         20 * count / GIB / 8, rel=1e-2)
 
 
+def test_lora_trains_its_adapters_and_keeps_one_bf16_base(run):
+  pairs, _ = run
+  # Rank r on every linear of a layer: r * (din + dout) summed over q, k, v,
+  # o, gate, up, down. 0.5B (d = 896, kv = 2 x 64, F = 4864):
+  #   1792 + 1024 + 1024 + 1792 + 3 * 5760 = 22912 a layer, x 24 layers;
+  # 7B (d = 3584, kv = 4 x 128, F = 18944): 7168 + 2 * 4096 + 7168 + 3 * 22528
+  #   = 90112 a layer, x 28 layers.
+  for name, per_rank, count in [("qwen2.5-0.5b", 22912 * 24, 494_032_768),
+                                ("qwen2.5-7b", 90112 * 28, 7_615_616_512)]:
+    for rank in (8, 16):
+      trained = int(pairs[f"{name}_lora{rank}_trainable"])
+      assert trained == rank * per_rank
+      # 20 bytes a trained parameter as above; the base 4: the state's frozen
+      # bf16 copy and the sampler's.
+      assert float(pairs[f"{name}_lora{rank}_fsdp1_gib"]) == pytest.approx(
+          (20 * trained + 4 * count) / GIB, abs=1e-3)
+  assert float(pairs["qwen2.5-7b_lora8_fsdp1_gib"]) < 0.21 * float(
+      pairs["qwen2.5-7b_fsdp1_gib"])
+
+
 def test_tiny_model_by_hand(run):
   _, data = run
   for n, m in data["tiny"].items():
@@ -81,6 +101,7 @@ def test_tiny_model_by_hand(run):
     assert m["reference"] == m["sampler"] == 2 * per_param
     # mu and nu, plus the int32 step counters of adam and the lr schedule.
     assert 0 <= m["moments"] - 8 * per_param <= 16
+    assert m["frozen"] == 0  # full fine-tuning: no frozen base
     assert m["total"] == sum(m[k] for k in ("masters", "moments", "gradients",
                                             "reference", "sampler"))
   assert data["tiny_replicated"] == []

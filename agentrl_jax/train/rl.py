@@ -322,7 +322,7 @@ class RLTrainer:
       if j in self._worker or ahead is None:
         continue
       if weights is None:
-        weights = self.engine.sampler.prepare_params(self.state.params)
+        weights = self.engine.sampler.prepare_params(self.state.model_params)
       self._worker.submit(j, functools.partial(self._rollout, ahead, j, it, weights))
       self._ahead[j] = [t.task_id for t in ahead]
     if self._ahead.pop(it) != [t.task_id for t in tasks]:
@@ -340,7 +340,7 @@ class RLTrainer:
     weights (before an evaluation); with max_staleness 0 there are none."""
     if self._worker is not None:
       self._worker.settle()
-      self.engine.sampler.update_params(self.state.params)
+      self.engine.sampler.update_params(self.state.model_params)
 
   def close(self) -> None:
     """Stops the rollout worker (its rollouts in flight finish first)."""
@@ -395,7 +395,7 @@ class RLTrainer:
     if record:
       num = losses.action_bucket(int(most_actions), length)
       self.recorded = Recorded(trajs, batch, distributed.local_rows(self._logprobs(
-          self.state.params, self._to_global(batch), num)))
+          self.state.model_params, self._to_global(batch), num)))
     if cfg.filter_zero_variance:
       batch, kept, groups, dropped = _keep_groups_with_signal(batch, trajs,
                                                               outcome_advantages)
@@ -417,7 +417,7 @@ class RLTrainer:
     train_metrics = jax.device_get(train_metrics)
     metrics["time/step_s"] = time.perf_counter() - t0
     if self._worker is None:  # asynchronous: each rollout job brings its weights
-      self.engine.sampler.update_params(self.state.params)
+      self.engine.sampler.update_params(self.state.model_params)
     skipped = float(train_metrics["skipped_updates"]) > 0
     self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
     if self.bad_in_a_row >= cfg.max_bad_steps:
@@ -466,7 +466,7 @@ class RLTrainer:
     get unshaped (`outcomes`), which filtering reads: DAPO drops a group by
     its outcomes, whatever the overlong penalty (eq. 11)."""
     cfg = self.cfg
-    values = (distributed.local_rows(self._values(self.state.params, self._to_global(batch)))
+    values = (distributed.local_rows(self._values(self.state.model_params, self._to_global(batch)))
               if self._credit.needs_values else None)
     branches = {}
     if self._credit.needs_branches:
@@ -499,7 +499,7 @@ class RLTrainer:
     if cfg.observation_loss:
       out, added = observation_credit(out)
       lp = distributed.local_rows(self._logprobs(
-          self.state.params, self._to_global(out),
+          self.state.model_params, self._to_global(out),
           losses.action_bucket(self._most_in_loss(out), out.tokens.shape[1])))
       out = out.replace(old_logprobs=np.where(added, np.asarray(lp), out.old_logprobs))
     if cfg.mask_truncated:

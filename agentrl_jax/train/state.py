@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from agentrl_jax.checks import check_fields
-from agentrl_jax.models import compute_params
+from agentrl_jax.models import compute_params, lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +47,24 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 @flax.struct.dataclass
 class TrainState:
-  params: Any  # nnx.State of the policy's nnx.Param variables
+  params: Any  # nnx.State of the trained nnx.Param variables (all, or LoRA's)
   opt_state: Any  # optax state over `params`
-  ref_params: Any  # frozen reference policy params, or None (no KL term)
+  ref_params: Any  # frozen reference policy params (like `params`), or None (no KL term)
   step: jax.Array  # int32, optimizer updates applied
   skipped: jax.Array  # int32, updates skipped for non-finite loss/grads
+  # LoRA: the frozen base (every parameter not in `params`), in the compute
+  # dtype; None under full fine-tuning.
+  frozen: Any = None
+
+  @property
+  def model_params(self):
+    """The whole model's parameters: `params` over the frozen base."""
+    return model_params(self.frozen, self.params)
+
+
+def model_params(frozen, params):
+  """`params` (trained) merged over `frozen` (the base; None: nothing to merge)."""
+  return params if frozen is None else nnx.merge_state(frozen, params)
 
 
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *,
@@ -63,13 +76,25 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *,
   the model's `param_dtype` (float32 masters; the optimizer's moments
   follow them). The reference policy is a copy in the compute dtype
   (`reference_params`).
+
+  A model with LoRA adapters (`models.lora.add_adapters`) trains only
+  `lora.TRAINABLE` (the adapters and a value head): gradients and moments
+  exist for those alone, and the reference copies those alone (with the
+  base it is the model at the start). The base goes to `frozen` in the
+  compute dtype: it never updates and every forward casts it to that dtype
+  anyway, so it gives the masters' function in half the bytes under bf16.
   """
-  graphdef, params = nnx.split(model, nnx.Param)
+  frozen = None
+  if lora.has_adapters(model):
+    graphdef, params, frozen = nnx.split(model, lora.TRAINABLE, nnx.Param)
+    frozen = compute_params(frozen, model.cfg.dtype)
+  else:
+    graphdef, params = nnx.split(model, nnx.Param)
   params = jax.tree.map(jnp.copy, params)
   ref = reference_params(params, model.cfg.dtype) if with_reference else None
   return graphdef, TrainState(
       params=params, opt_state=tx.init(params), ref_params=ref,
-      step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+      step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), frozen=frozen)
 
 
 def reference_params(params, dtype):
@@ -77,3 +102,9 @@ def reference_params(params, dtype):
   runs forwards, which cast every weight to that dtype anyway, so it gives
   the masters' log-probs exactly, in half the bytes under bf16."""
   return compute_params(params, dtype)
+
+
+def checkpointed(state: TrainState) -> TrainState:
+  """What a checkpoint holds: everything but the frozen base, which a
+  resumed run rebuilds from where it came from (`model.path`, the seed)."""
+  return state.replace(frozen=None)

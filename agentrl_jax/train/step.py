@@ -59,7 +59,7 @@ from agentrl_jax import host_memory, losses, sharding
 from agentrl_jax.checks import check_fields
 from agentrl_jax.masked import masked_mean
 from agentrl_jax.models import decoder
-from agentrl_jax.train.state import TrainState
+from agentrl_jax.train.state import TrainState, model_params
 from agentrl_jax.trajectory import TokenBatch
 
 IS_CORRECTIONS = ("none", "tis")
@@ -337,7 +337,8 @@ class RLStep:
     in `_actions`' layout, one micro-batch at a time (no grad)."""
     index, _ = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0), num_actions)
     micro = _split((batch, index), self.cfg.micro_batches)
-    ref = jax.lax.map(lambda xs: action_heads(self.graphdef, state.ref_params, *xs,
+    ref_params = model_params(state.frozen, state.ref_params)  # LoRA: the base + its start
+    ref = jax.lax.map(lambda xs: action_heads(self.graphdef, ref_params, *xs,
                                               chunk=self.cfg.head_chunk)["logprobs"], micro)
     return ref.reshape(index.shape)
 
@@ -365,7 +366,9 @@ class RLStep:
     tis = cfg.is_correction == "tis"
 
     def loss_fn(params, mb, act, ref, token_share, value_share, behaviour, first):
-      out = action_heads(self.graphdef, params, mb, act.index, chunk=cfg.head_chunk,
+      # Gradients for the trained parameters only (all, or LoRA's).
+      out = action_heads(self.graphdef, model_params(state.frozen, params), mb, act.index,
+                         chunk=cfg.head_chunk,
                          entropy=cfg.entropy_coef > 0 or cfg.behaviour_forward,
                          values=cfg.value_coef > 0)
       lp = out["logprobs"]
@@ -471,8 +474,8 @@ class SFTStep:
     dropped = _dropped_actions(batch, valid)
 
     def loss_fn(params):
-      out = action_heads(self.graphdef, params, batch, index, chunk=self.head_chunk,
-                         accuracy=True)
+      out = action_heads(self.graphdef, model_params(state.frozen, params), batch, index,
+                         chunk=self.head_chunk, accuracy=True)
       return -masked_mean(out["logprobs"], valid), masked_mean(out["accuracy"], valid)
 
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

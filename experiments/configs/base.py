@@ -14,13 +14,14 @@ import ml_collections
 
 from agentrl_jax import envs
 from agentrl_jax.checks import FieldError
+from agentrl_jax.models import LoraConfig
 from agentrl_jax.rollout import RolloutConfig
 from agentrl_jax.train import LossConfig, OptimConfig, presets
 from agentrl_jax.train.rl import RLConfig
 
 # Config sections that are a library dataclass's fields.
 SECTIONS = {"rollout": RolloutConfig, "optim": OptimConfig, "rl_optim": OptimConfig,
-            "loss": LossConfig, "rl": RLConfig}
+            "loss": LossConfig, "rl": RLConfig, "model.lora": LoraConfig}
 
 
 def get_config():
@@ -65,9 +66,11 @@ def get_config():
   # masters and their AdamW moments (float32: under bf16 masters one 1e-6
   # AdamW step moved 1.7% of the tiny model's weights, 99.6% under float32). remat: recompute each
   # layer's activations in the backward pass (long rows of a large model).
+  # lora.rank > 0: SFT and RL train LoRA adapters on the linears named in
+  # lora.target_modules (and the value head), the base stays frozen.
   c.model = ml_collections.ConfigDict(dict(
       path="", tokenizer="", arch="llama", dtype="float32", param_dtype="float32",
-      remat=False, tiny={},
+      remat=False, tiny={}, lora=_section(LoraConfig),
       value_head=False))  # always True when the credit scheme needs values (gae)
   c.sampler = ml_collections.ConfigDict(dict(
       num_slots=64, cache_length=768, length_buckets=(32, 64, 128, 256),
