@@ -207,9 +207,37 @@ def decode(pair: Pair, batch: int, new_tokens: int, rounds: int) -> dict:
     out = tunix_call(theirs, prompts, new_tokens, PROMPT, 0)
     assert all(len(lp) == new_tokens for lp in out.logprobs)
 
-  t_ours, t_tunix = interleaved([run_ours, run_tunix], rounds)
+  floor = dense_floor(pair.size, batch, new_tokens)
+  t_ours, t_tunix, t_floor = interleaved([run_ours, run_tunix, floor], rounds)
   n = batch * new_tokens
-  return dict(ours=n / t_ours, tunix=n / t_tunix, ratio=t_tunix / t_ours)
+  return dict(ours=n / t_ours, tunix=n / t_tunix, ratio=t_tunix / t_ours,
+              ms=[1e3 * t / new_tokens for t in (t_ours, t_tunix, t_floor)])
+
+
+def dense_floor(size: Size, batch: int, new_tokens: int):
+  """A decode's least cost here: `new_tokens` steps of only the model's
+  weight matmuls on [batch, d] rows (the attention projections, the MLP,
+  the LM head and one max over its logits), no attention over a cache, no
+  sampling, no bookkeeping. Both libraries hand these dots to XLA:CPU."""
+  d, f, q, kv = size.hidden, 2 * size.hidden, size.heads * size.head_dim, \
+      size.kv_heads * size.head_dim
+  shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * size.layers
+  keys = jax.random.split(jax.random.key(0), len(shapes) + 2)
+  ws = [0.02 * jax.random.normal(k, s) for k, s in zip(keys, shapes + [(d, VOCAB)])]
+  x0 = jax.random.normal(keys[-1], (batch, d))
+
+  @jax.jit
+  def steps(ws, x):
+    def body(_, x):
+      for layer in range(size.layers):
+        wq, wk, wv, wo, wg, wu, wd = ws[7 * layer:7 * layer + 7]
+        kv_sum = jnp.sum(x @ wk) + jnp.sum(x @ wv)  # computed, as a decode must
+        x = x + (x @ wq) @ wo + 1e-9 * kv_sum
+        x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+      return x + 1e-6 * jnp.max(x @ ws[-1], axis=-1, keepdims=True)
+    return jax.lax.fori_loop(0, new_tokens, body, x)
+
+  return lambda: jax.block_until_ready(steps(ws, x0))
 
 
 # -- 2. Episode ----------------------------------------------------------------------
@@ -260,7 +288,8 @@ def episode(pair: Pair, batch: int, turns: int, action: int, observation: int,
             longest)
   max_prompt = -(-max(fed) // 64) * 64
   theirs = tunix_sampler.Sampler(tunix_model, tok, pair.cache_config(max_prompt + action))
-  t_ours, t_tunix = interleaved([run_ours, lambda: run_tunix(theirs, max_prompt)], rounds)
+  # One warm-up each (the dry run already paid Tunix's slow first calls).
+  t_ours, t_tunix = median_times([run_ours, lambda: run_tunix(theirs, max_prompt)], rounds)
   return dict(ours=t_ours, tunix=t_tunix, ratio=t_tunix / t_ours, max_prompt=max_prompt,
               tunix_context=max(fed), ours_context=cache - action)
 
@@ -378,7 +407,7 @@ def main():
       eos_token="<|im_end|>", pad_token="<|endoftext|>")
   print(f"{jax.devices()[0].platform}, jax {jax.__version__}, Qwen2 float32, vocab "
         f"{VOCAB}, {args.rounds} interleaved rounds")
-  rows, line = [], {}
+  rows, line, where = [], {}, []
   with tempfile.TemporaryDirectory() as root:
     for name in args.sizes.split(","):
       pair = make_pair(SIZES[name], tok, root)
@@ -391,6 +420,7 @@ def main():
                        r["ratio"]))
           print(rows[-1], flush=True)
           line[("decode", name, batch)] = r["ratio"]
+          where.append((batch, label, *r["ms"]))
       if "episode" in sections:
         r = episode(pair, args.episodes, args.turns, args.action, args.observation,
                     args.episode_rounds)
@@ -415,6 +445,13 @@ def main():
   print("\n| measurement | model | ours | Tunix | ours / Tunix |\n|---|---|---|---|---|")
   for what, label, ours, theirs, ratio in rows:
     print(f"| {what} | {label} | {ours} | {theirs} | {ratio:.2f}x |")
+  if where:
+    print("\nDecode, ms per step (all rows): the dense matmuls alone (`dense_floor`) "
+          "and what each sampler adds to them\n\n| batch | model | ours | Tunix | dense "
+          "matmuls | ours above it | Tunix above it |\n|---|---|---|---|---|---|---|")
+    for batch, label, ours, theirs, floor in where:
+      print(f"| {batch} | {label} | {ours:.2f} | {theirs:.2f} | {floor:.2f} | "
+            f"{ours - floor:.2f} | {theirs - floor:.2f} |")
   last = {"decode_vs_tunix": line.get(("decode", "goal", 64)),
           "episode_vs_tunix": line.get(("episode", "goal")),
           "step_vs_tunix": line.get(("step", "goal"))}
