@@ -1,0 +1,110 @@
+"""Where a decode step's time goes: the sampler against the model's step alone.
+
+  python benchmarks/decode_parts.py [--batch 64] [--new_tokens 128]
+
+At vs_tunix.py's goal size (Qwen2 shape, 4 layers, d = 512, 8 heads of 64,
+2 KV heads, vocabulary 4096, float32), one process, interleaved rounds
+(medians), ms per new token:
+- `Sampler.decode` at T = 1 and greedy (T = 0): the whole jitted loop
+  (sampling, raw log-probs, the stop automaton, the output buffers, the
+  sub-batch gather and scatter of the cache);
+- the model's cached step alone in a `fori_loop` (embedding, norms, RoPE,
+  the cache update, attention over the cache, the LM head), argmax feeding
+  the next token;
+- its dense matmuls alone (`vs_tunix.dense_floor`'s shapes, no cache).
+
+Last line: `sampler_ms=... model_step_ms=... dense_ms=...`.
+"""
+
+import argparse
+import statistics
+import time
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax import models
+from agentrl_jax.models.decoder import KVCache
+from agentrl_jax.sampling import Sampler
+
+PROMPT = 16
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--new_tokens", type=int, default=128)
+  p.add_argument("--rounds", type=int, default=5)
+  args = p.parse_args()
+  b, n = args.batch, args.new_tokens
+  cfg = models.tiny_config("qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1024,
+                           num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64)
+  model = models.Decoder(cfg, rngs=nnx.Rngs(0))
+  sampler = Sampler(model, num_slots=b, cache_length=PROMPT + n, max_decode_length=n,
+                    length_buckets=(PROMPT,))
+  slots = list(range(b))
+  prompts = [np.random.RandomState(i).randint(0, cfg.vocab_size, PROMPT).tolist()
+             for i in range(b)]
+
+  def decode(temperature):
+    def run():
+      state = sampler.prefill(sampler.init_state(0), slots, prompts)
+      state, _ = sampler.decode(state, slots, max_new_tokens=n, temperature=temperature)
+      jax.block_until_ready(state.lengths)
+    return run
+
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def model_steps(params, token):
+    m = nnx.merge(graphdef, params)
+
+    def body(i, carry):
+      cache, token = carry
+      hidden, cache = m.hidden_states(token[:, None], jnp.full((b, 1), PROMPT + i, jnp.int32),
+                                      cache=cache)
+      return cache, jnp.argmax(m.logits(hidden[:, 0]), -1).astype(jnp.int32)
+    return jax.lax.fori_loop(0, n, body, (KVCache.zeros(cfg, b, PROMPT + n), token))[1]
+
+  d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, 8 * 64, 2 * 64
+  shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * cfg.num_layers
+  keys = jax.random.split(jax.random.key(0), len(shapes) + 2)
+  ws = [0.02 * jax.random.normal(k, s) for k, s in zip(keys, shapes + [(d, cfg.vocab_size)])]
+
+  @jax.jit
+  def dense(ws, x):
+    def body(_, x):
+      for layer in range(cfg.num_layers):
+        wq, wk, wv, wo, wg, wu, wd = ws[7 * layer:7 * layer + 7]
+        x = x + (x @ wq) @ wo + 1e-9 * (jnp.sum(x @ wk) + jnp.sum(x @ wv))
+        x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+      return x + 1e-6 * jnp.max(x @ ws[-1], axis=-1, keepdims=True)
+    return jax.lax.fori_loop(0, n, body, x)
+
+  token0, x0 = jnp.zeros(b, jnp.int32), jax.random.normal(keys[-1], (b, d))
+  fns = {"Sampler.decode, T = 1": decode(1.0), "Sampler.decode, greedy": decode(0.0),
+         "the model's cached step + argmax": lambda: jax.block_until_ready(
+             model_steps(params, token0)),
+         "its dense matmuls alone": lambda: jax.block_until_ready(dense(ws, x0))}
+  for fn in fns.values():
+    fn()
+  times = {k: [] for k in fns}
+  for _ in range(args.rounds):
+    for k, fn in fns.items():
+      t0 = time.perf_counter()
+      fn()
+      times[k].append(time.perf_counter() - t0)
+  ms = {k: 1e3 * statistics.median(t) / n for k, t in times.items()}
+  print(f"batch {b}, {n} new tokens, ms per token:")
+  for k, v in ms.items():
+    print(f"  {k}: {v:.2f}")
+  sampler_ms, model_ms, dense_ms = (ms["Sampler.decode, T = 1"],
+                                    ms["the model's cached step + argmax"],
+                                    ms["its dense matmuls alone"])
+  print(f"sampler_ms={sampler_ms:.2f} model_step_ms={model_ms:.2f} dense_ms={dense_ms:.2f}")
+
+
+if __name__ == "__main__":
+  main()
