@@ -77,7 +77,7 @@ def _task(name, rewards, actions=(1, 1), truncated=(False, False)):
 
 def _trainer(**cfg):
   engine, step = ScriptedEngine(), RecordingStep()
-  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None), rl.RLConfig(
+  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None, model_params=None), rl.RLConfig(
       group_size=G, tasks_per_iteration=2, buckets=(16, 32, 128), **cfg))
   return trainer, engine, step
 
@@ -188,7 +188,7 @@ def test_branch_continuations_are_shaped_like_the_episodes():
   # Branching (TD, gamma 1): A_0 = 0 + V(s_1) - V(s_0) = 3/16, A_1 = 3/8 -
   # V(s_1) = 0; B_0 = 0 - 3/16.
   engine, step = ScriptedEngine(max_context=16), RecordingStep()
-  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None), rl.RLConfig(
+  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None, model_params=None), rl.RLConfig(
       group_size=G, tasks_per_iteration=1, buckets=(16,), credit="branching",
       branch_size=2, overlong_buffer=8, overlong_penalty=1.0))
   task = Task("b", "b", {"rewards": (1.0, 0.0), "actions": (2, 1),
@@ -218,7 +218,7 @@ def test_dynamic_sampling_of_singleton_groups(credit, kept):
   # keeps those with signal: return 1 (overlong, shaped to 0: kept on its
   # outcome), not return 0.
   engine, step = ScriptedEngine(), RecordingStep()
-  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None), rl.RLConfig(
+  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None, model_params=None), rl.RLConfig(
       group_size=1, tasks_per_iteration=2, buckets=(128,), credit=credit,
       filter_zero_variance=True, overlong_buffer=16))
   tasks = [_task("one", (1.0,), actions=(13,), truncated=(False,)),
