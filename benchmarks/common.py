@@ -7,6 +7,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import jax
+import jax.numpy as jnp
 import torch
 import transformers
 
@@ -51,3 +53,30 @@ def median_times(fns, repeats=5):
       fn()
       t.append(time.perf_counter() - t0)
   return [statistics.median(t) for t in times]
+
+
+def dense_floor(*, layers, hidden, intermediate, q_width, kv_width, vocab, batch,
+                new_tokens):
+  """A decode's least cost: `new_tokens` steps of only a decoder's weight
+  matmuls on [batch, hidden] rows (the attention projections, the MLP, the
+  LM head and one max over its logits); no attention over a cache, no
+  sampling, no bookkeeping. Returns a function that runs them once."""
+  d, f = hidden, intermediate
+  shapes = [(d, q_width), (d, kv_width), (d, kv_width), (q_width, d), (d, f), (d, f),
+            (f, d)] * layers
+  keys = jax.random.split(jax.random.key(0), len(shapes) + 2)
+  ws = [0.02 * jax.random.normal(k, s) for k, s in zip(keys, shapes + [(d, vocab)])]
+  x0 = jax.random.normal(keys[-1], (batch, d))
+
+  @jax.jit
+  def steps(ws, x):
+    def body(_, x):
+      for layer in range(layers):
+        wq, wk, wv, wo, wg, wu, wd = ws[7 * layer:7 * layer + 7]
+        kv_sum = jnp.sum(x @ wk) + jnp.sum(x @ wv)  # computed, as a decode must
+        x = x + (x @ wq) @ wo + 1e-9 * kv_sum
+        x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+      return x + 1e-6 * jnp.max(x @ ws[-1], axis=-1, keepdims=True)
+    return jax.lax.fori_loop(0, new_tokens, body, x)
+
+  return lambda: jax.block_until_ready(steps(ws, x0))

@@ -11,7 +11,7 @@ At vs_tunix.py's goal size (Qwen2 shape, 4 layers, d = 512, 8 heads of 64,
 - the model's cached step alone in a `fori_loop` (embedding, norms, RoPE,
   the cache update, attention over the cache, the LM head), argmax feeding
   the next token;
-- its dense matmuls alone (`vs_tunix.dense_floor`'s shapes, no cache).
+- its dense matmuls alone (`common.dense_floor`, no cache).
 
 Last line: `sampler_ms=... model_step_ms=... dense_ms=...`.
 """
@@ -28,6 +28,7 @@ import numpy as np
 from agentrl_jax import models
 from agentrl_jax.models.decoder import KVCache
 from agentrl_jax.sampling import Sampler
+import common  # pylint: disable=wrong-import-order
 
 PROMPT = 16
 
@@ -68,26 +69,15 @@ def main():
       return cache, jnp.argmax(m.logits(hidden[:, 0]), -1).astype(jnp.int32)
     return jax.lax.fori_loop(0, n, body, (KVCache.zeros(cfg, b, PROMPT + n), token))[1]
 
-  d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, 8 * 64, 2 * 64
-  shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * cfg.num_layers
-  keys = jax.random.split(jax.random.key(0), len(shapes) + 2)
-  ws = [0.02 * jax.random.normal(k, s) for k, s in zip(keys, shapes + [(d, cfg.vocab_size)])]
-
-  @jax.jit
-  def dense(ws, x):
-    def body(_, x):
-      for layer in range(cfg.num_layers):
-        wq, wk, wv, wo, wg, wu, wd = ws[7 * layer:7 * layer + 7]
-        x = x + (x @ wq) @ wo + 1e-9 * (jnp.sum(x @ wk) + jnp.sum(x @ wv))
-        x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
-      return x + 1e-6 * jnp.max(x @ ws[-1], axis=-1, keepdims=True)
-    return jax.lax.fori_loop(0, n, body, x)
-
-  token0, x0 = jnp.zeros(b, jnp.int32), jax.random.normal(keys[-1], (b, d))
+  token0 = jnp.zeros(b, jnp.int32)
   fns = {"Sampler.decode, T = 1": decode(1.0), "Sampler.decode, greedy": decode(0.0),
          "the model's cached step + argmax": lambda: jax.block_until_ready(
              model_steps(params, token0)),
-         "its dense matmuls alone": lambda: jax.block_until_ready(dense(ws, x0))}
+         "its dense matmuls alone": common.dense_floor(
+             layers=cfg.num_layers, hidden=cfg.hidden_size,
+             intermediate=cfg.intermediate_size, q_width=cfg.num_heads * cfg.head_dim,
+             kv_width=cfg.num_kv_heads * cfg.head_dim, vocab=cfg.vocab_size, batch=b,
+             new_tokens=n)}
   for fn in fns.values():
     fn()
   times = {k: [] for k in fns}

@@ -79,6 +79,7 @@ except ImportError as e:
            "with `pip install -r benchmarks/requirements-tunix.txt` (see this "
            "script's docstring)")
 
+import common
 from common import median_times
 from flax import nnx
 import jax
@@ -215,29 +216,12 @@ def decode(pair: Pair, batch: int, new_tokens: int, rounds: int) -> dict:
 
 
 def dense_floor(size: Size, batch: int, new_tokens: int):
-  """A decode's least cost here: `new_tokens` steps of only the model's
-  weight matmuls on [batch, d] rows (the attention projections, the MLP,
-  the LM head and one max over its logits), no attention over a cache, no
-  sampling, no bookkeeping. Both libraries hand these dots to XLA:CPU."""
-  d, f, q, kv = size.hidden, 2 * size.hidden, size.heads * size.head_dim, \
-      size.kv_heads * size.head_dim
-  shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] * size.layers
-  keys = jax.random.split(jax.random.key(0), len(shapes) + 2)
-  ws = [0.02 * jax.random.normal(k, s) for k, s in zip(keys, shapes + [(d, VOCAB)])]
-  x0 = jax.random.normal(keys[-1], (batch, d))
-
-  @jax.jit
-  def steps(ws, x):
-    def body(_, x):
-      for layer in range(size.layers):
-        wq, wk, wv, wo, wg, wu, wd = ws[7 * layer:7 * layer + 7]
-        kv_sum = jnp.sum(x @ wk) + jnp.sum(x @ wv)  # computed, as a decode must
-        x = x + (x @ wq) @ wo + 1e-9 * kv_sum
-        x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
-      return x + 1e-6 * jnp.max(x @ ws[-1], axis=-1, keepdims=True)
-    return jax.lax.fori_loop(0, new_tokens, body, x)
-
-  return lambda: jax.block_until_ready(steps(ws, x0))
+  """`common.dense_floor` at `size`: both libraries hand these dots to XLA:CPU."""
+  return common.dense_floor(layers=size.layers, hidden=size.hidden,
+                            intermediate=2 * size.hidden,
+                            q_width=size.heads * size.head_dim,
+                            kv_width=size.kv_heads * size.head_dim, vocab=VOCAB,
+                            batch=batch, new_tokens=new_tokens)
 
 
 # -- 2. Episode ----------------------------------------------------------------------
