@@ -291,16 +291,20 @@ class _Policy:
     self.model, self.sampler, self.engine, _, self.eval_tasks = train_agent.build(cfg)
     tx = train.make_optimizer(train.OptimConfig(**cfg.rl_optim))
     self.graphdef, state = train.init_train_state(self.model, tx, with_reference=False)
-    self.abstract = jax.eval_shape(lambda: state)
+    # A LoRA run's checkpoints hold the adapters alone; the base is this one.
+    self.frozen = state.frozen
+    self.abstract = jax.eval_shape(lambda: train.checkpointed(state))
 
   def load(self, workdir: pathlib.Path, step: int | None = None):
-    """Restores a run's parameters (latest step by default) into the sampler."""
+    """Restores a run's whole model's parameters (latest step by default)
+    into the sampler and returns them."""
     ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
     state, _ = ckpt.restore(ckpt.latest_step() if step is None else step,
                             abstract_state=self.abstract)
     ckpt.close()
-    self.sampler.update_params(state.params)
-    return state.params
+    params = state.replace(frozen=self.frozen).model_params
+    self.sampler.update_params(params)
+    return params
 
 
 def _seeds(results: dict) -> list[int]:

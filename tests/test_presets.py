@@ -167,3 +167,24 @@ def test_the_command_line_preset_keeps_explicit_flags(tmp_path):
   written = json.loads((tmp_path / "config.json").read_text())
   assert written["loss"]["clip_high"] == 0.3
   assert (written["loss"]["clip_low"], written["loss"]["agg"]) == (0.2, "seq-mean-token-mean")
+
+
+def test_the_ablation_loads_a_lora_runs_adapters_over_its_base(tmp_path):
+  import jax  # pylint: disable=import-outside-toplevel
+  from agentrl_jax import checkpointing  # pylint: disable=import-outside-toplevel
+  cfg = credit_ablation.config("grpo", 0, "tiny")
+  cfg.model.lora.rank = 2
+  policy = credit_ablation._Policy(cfg)  # pylint: disable=protected-access
+  tx = train.make_optimizer(train.OptimConfig(**cfg.rl_optim))
+  _, state = train.init_train_state(policy.model, tx, with_reference=False)
+  # Trained adapters: lora_b starts at zero, so a model without them differs.
+  state = state.replace(params=jax.tree.map(lambda x: x + 0.01, state.params))
+  with checkpointing.Checkpointer(tmp_path / "checkpoints") as ckpt:
+    ckpt.save(3, train.checkpointed(state), {})
+  loaded = policy.load(tmp_path)
+  want = jax.tree.leaves(state.model_params)
+  assert len(jax.tree.leaves(loaded)) == len(want) > len(jax.tree.leaves(state.params))
+  for got, expected, sampled in zip(jax.tree.leaves(loaded), want,
+                                    jax.tree.leaves(policy.sampler.params)):
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(sampled, expected)
