@@ -73,6 +73,37 @@ def rl_step_matches_single_device():
   assert m["loss"].sharding.is_fully_replicated
 
 
+@check
+def lora_step_matches_single_device():
+  """LoRA on a 2x2x2 mesh: the frozen base is laid out as the full model's
+  weights are, the adapters replicated; the step equals one device's, and
+  only the adapters change."""
+  model = models.Decoder(models.tiny_config("qwen2", vocab_size=64), rngs=nnx.Rngs(0))
+  model = models.add_adapters(model, models.LoraConfig(rank=4), nnx.Rngs(1))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
+  cfg = train.LossConfig(kl_beta=0.05, micro_batches=2)
+  mesh = _mesh(data=2, fsdp=2, tensor=2)
+  results = []
+  for step_mesh in (None, mesh):
+    graphdef, state = train.init_train_state(model, tx, with_reference=True)
+    if step_mesh is not None:
+      state = sharding.shard(state, sharding.param_shardings(state, step_mesh))
+    step = train.RLStep(graphdef, tx, cfg, mesh=step_mesh)
+    for batch in (_batch(0), _batch(1)):
+      state, m = step(state, batch)
+    results.append((state, m))
+  (state1, m1), (state8, m8) = results
+  _close(m1, m8)
+  _close(state1.params, state8.params)
+  _close(state8.frozen, state1.frozen, atol=0, rtol=0)  # the base never moves
+  q = state8.frozen["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+  assert q.sharding.shard_shape(q.shape) == (q.shape[0] // 2, q.shape[1] // 2), q.sharding
+  a = state8.params["layers"][0]["self_attn"]["q_proj"]["lora"]["lora_a"][...]
+  assert a.sharding.is_fully_replicated, a.sharding
+  b = state8.params["layers"][0]["self_attn"]["q_proj"]["lora"]["lora_b"][...]
+  assert np.abs(np.asarray(b)).max() > 0  # lora_b starts at zero: the step moved it
+
+
 def _peaked_model():
   model = models.Decoder(models.tiny_config("qwen2", vocab_size=64), rngs=nnx.Rngs(0))
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

@@ -144,6 +144,7 @@ def worker_output():
 
 @pytest.mark.parametrize("check", [
     "rl_step_matches_single_device",
+    "lora_step_matches_single_device",
     "sampler_matches_single_device",
     "checkpoint_restores_onto_another_mesh",
     "async_rollouts_sample_on_their_own_devices",
