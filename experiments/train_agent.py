@@ -230,10 +230,13 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     viewer.write_jsonl(episodes_file, [r for r in viewer.read_jsonl(episodes_file)
                                        if r["iteration"] <= resume], append=False)
 
+  solved = {}  # greedy outcome per held-out task (this process's share) at SFT, at the end
+
   def evaluate(iteration):
     """Greedy held-out metrics; records the first episodes for the viewer."""
     trajs = []
     m = rl.evaluate(engine, eval_tasks, trajectories=trajs, policy_version=iteration)
+    solved[iteration] = {t.metadata["task_id"]: bool(t.metadata["success"]) for t in trajs}
     if primary and cfg.log.eval_episodes:
       viewer.write_jsonl(episodes_file, [
           viewer.episode_record(t, engine.tok, iteration=iteration, phase="eval")
@@ -269,7 +272,8 @@ def run(cfg, workdir, explicit=()) -> dict | None:
         else None))
     if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards
       state = sharding.shard(state, sharding.param_shardings(state, mesh))
-    progress = {"phase": "rl", "iteration": 0, "sft_success": evaluate(0)["success"]}
+    progress = {"phase": "rl", "iteration": 0, "sft_success": evaluate(0)["success"],
+                "sft_solved": sorted(k for k, v in solved[0].items() if v)}
     at_start = sampled()
     progress.update({f"sft_{k}": v for k, v in at_start.items()})
     log(0, {"success": progress["sft_success"], **at_start}, prefix="eval/")
@@ -341,9 +345,17 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   if f"eval/{pass_key}" in last:
     summary.update({f"sft_{pass_key}": progress.get(f"sft_{pass_key}", float("nan")),
                     f"rl_{pass_key}": last[f"eval/{pass_key}"]})
+  gain = ""
+  # Paired on the held-out tasks: one process holds them all (several would
+  # each hold their share of the per-task outcomes).
+  if jax.process_count() == 1 and cfg.iterations in solved and "sft_solved" in progress:
+    before = {k: float(k in set(progress["sft_solved"])) for k in solved[cfg.iterations]}
+    summary["greedy_gain"], summary["greedy_gain_se"] = rl.paired_gain(
+        before, {k: float(v) for k, v in solved[cfg.iterations].items()})
+    gain = f" (gain {summary['greedy_gain']:+.3f}, paired SE {summary['greedy_gain_se']:.3f})"
   (workdir / "summary.json").write_text(json.dumps(summary))
   print(f"held-out success after SFT: {progress['sft_success']:.3f}, after RL: {final:.3f} "
-        f"(greedy); sampled at temperature 1: {summary['sft_success_sampled']:.3f} -> "
+        f"(greedy{gain}); sampled at temperature 1: {summary['sft_success_sampled']:.3f} -> "
         f"{final_sampled:.3f}" + (f", pass@{cfg.eval_samples} {summary[f'sft_{pass_key}']:.3f} "
                                   f"-> {summary[f'rl_{pass_key}']:.3f}"
                                   if f"rl_{pass_key}" in summary else ""))

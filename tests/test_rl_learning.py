@@ -211,6 +211,21 @@ def test_a_registered_scheme_trains_in_the_rl_loop():
     _trainer({}, {"credit": "not_registered"})
 
 
+def test_paired_gain_by_hand():
+  # Tasks a-d in both (e only after): differences 1, 0, 0, 1: mean 0.5,
+  # sample variance (4 x 0.25) / 3, SE sqrt(1/3) / 2.
+  before = {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.0}
+  after = {"a": 1.0, "b": 1.0, "c": 0.0, "d": 1.0, "e": 1.0}
+  gain, se = rl.paired_gain(before, after)
+  assert gain == pytest.approx(0.5) and se == pytest.approx(np.sqrt(1 / 3) / 2)
+  # Nothing changed: no spread.
+  assert rl.paired_gain(before, before) == (0.0, 0.0)
+  gain, se = rl.paired_gain({"a": 0.0}, {"a": 1.0})
+  assert gain == 1.0 and np.isnan(se)
+  with pytest.raises(ValueError, match="share no task"):
+    rl.paired_gain({"a": 1.0}, {"b": 1.0})
+
+
 def test_pass_at_k_by_hand_and_by_enumeration():
   # n = 4 samples, c = 1 success: pass@2 = 1 - C(3, 2) / C(4, 2) = 1 - 3/6.
   assert rl.pass_at_k(4, 1, 2) == pytest.approx(0.5)

@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from agentrl_jax import checkpointing, viewer
 
@@ -64,6 +65,9 @@ def test_train_agent_writes_outputs_and_resumes_identically(tmp_path):
   summary = json.loads((straight / "summary.json").read_text())
   for phase in ("sft", "rl"):
     assert 0 <= summary[f"{phase}_success_sampled"] <= summary[f"{phase}_pass_at_4"] <= 1
+  # The greedy gain, paired on the held-out tasks, is the change of success.
+  assert summary["greedy_gain"] == pytest.approx(summary["rl_success"] - summary["sft_success"])
+  assert summary["greedy_gain_se"] >= 0 and "paired SE" in stdout
   _run(resumed, 2)
   assert "resumed from" in _run(resumed, 3)
   # Same seed: the resumed run continues exactly where the straight one went.

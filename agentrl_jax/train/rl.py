@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -207,6 +207,24 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   if n - c < k:
     return 1.0
   return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def paired_gain(before: Mapping[str, float], after: Mapping[str, float]
+                ) -> tuple[float, float]:
+  """The mean change after - before over the tasks both score (a held-out
+  set evaluated twice, e.g. after SFT and after RL) and its standard error
+  from the per-task differences: std(d, ddof=1) / sqrt(n), two-pass in
+  float64. Pairing on tasks leaves out the between-task spread that the
+  standard error of two independent proportions counts (only the tasks
+  whose outcome changed add to it). NaN SE with fewer than 2 tasks."""
+  common = sorted(before.keys() & after.keys())
+  if not common:
+    raise ValueError("the two evaluations share no task")
+  d = np.asarray([after[k] - before[k] for k in common], np.float64)
+  mean = d.mean()
+  if len(d) < 2:
+    return float(mean), float("nan")
+  return float(mean), float(np.sqrt(np.sum((d - mean) ** 2) / (len(d) - 1) / len(d)))
 
 
 def evaluate(engine: RolloutEngine, tasks: Sequence[Task], *,
