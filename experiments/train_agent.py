@@ -349,7 +349,8 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   # Paired on the held-out tasks: one process holds them all (several would
   # each hold their share of the per-task outcomes).
   if jax.process_count() == 1 and cfg.iterations in solved and "sft_solved" in progress:
-    before = {k: float(k in set(progress["sft_solved"])) for k in solved[cfg.iterations]}
+    at_sft = set(progress["sft_solved"])
+    before = {k: float(k in at_sft) for k in solved[cfg.iterations]}
     summary["greedy_gain"], summary["greedy_gain_se"] = rl.paired_gain(
         before, {k: float(v) for k, v in solved[cfg.iterations].items()})
     gain = f" (gain {summary['greedy_gain']:+.3f}, paired SE {summary['greedy_gain_se']:.3f})"
