@@ -58,6 +58,16 @@ class Checkpointer:
     """Steps on disk, oldest first."""
     return sorted(self._manager.all_steps())
 
+  def saved_tree(self, step: int) -> dict:
+    """The structure `state` was saved with at `step`, read from its metadata
+    (no arrays loaded): a nested dict whose leaves are orbax's array
+    metadata, and None where the state held None (e.g. no KL reference)."""
+    self.wait()
+    metadata = ocp.StandardCheckpointHandler().metadata(
+        ocp.path.step.build_step_path(self.directory, ocp.path.step.standard_name_format(), step)
+        / "state")
+    return metadata.tree
+
   def restore(self, step: int | None = None, *,
               abstract_state: Any) -> tuple[Any, dict]:
     """Loads `(state, extra)` saved at `step` (default: the latest).

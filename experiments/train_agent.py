@@ -209,13 +209,30 @@ def run(cfg, workdir, explicit=()) -> dict | None:
             **({pass_key: m[pass_key]} if pass_key in m else {})}
   resume = ckpt.latest_step()
   if resume is not None:
+    # The KL reference as saved: a run may resume another's checkpoint with
+    # kl_beta changed (an ablation arm from a shared SFT start).
+    saved_ref = ckpt.saved_tree(resume).get("ref_params") is not None
+    wants_ref = state.ref_params is not None
     # A checkpoint holds no frozen LoRA base: the one built above is it.
-    abstract = jax.eval_shape(lambda: train.checkpointed(state))
+    abstract = jax.eval_shape(lambda: train.checkpointed(state).replace(ref_params=(
+        train.reference_params(state.params, cfg.model.dtype) if saved_ref else None)))
     if mesh is not None:  # restore straight into the shards
       abstract = sharding.abstract_state(abstract, sharding.param_shardings(abstract, mesh))
     # A step that does not read back (a crash mid-write) is skipped, warned.
     resume, restored, progress = ckpt.restore_latest(abstract_state=abstract)
     state = restored.replace(frozen=state.frozen)
+    if saved_ref and not wants_ref:
+      state = state.replace(ref_params=None)
+    elif wants_ref and not saved_ref:
+      if progress["phase"] != "rl" or progress["iteration"] != 0:
+        raise ValueError(
+            f"loss.kl_beta > 0, but checkpoint step {resume} in {workdir / 'checkpoints'} "
+            f"holds no KL reference (saved with kl_beta = 0, at {progress['phase']} "
+            f"iteration {progress['iteration']}); the reference is the policy RL "
+            f"started from, known only at RL iteration 0: resume from such a "
+            f"checkpoint, or set loss.kl_beta=0")
+      # At RL iteration 0 the policy is the one RL starts from: the reference.
+      state = state.replace(ref_params=train.reference_params(state.params, cfg.model.dtype))
     sampler.update_params(state.model_params)
     if primary:
       print(f"resumed from {workdir / 'checkpoints'} step {resume}: {progress}")

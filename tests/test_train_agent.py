@@ -91,7 +91,9 @@ def test_a_lora_run_trains_its_adapters_and_resumes_from_them(tmp_path):
   _run(resumed, 1, *lora)
   assert "resumed from" in _run(resumed, 2, *lora)
   assert _metrics(straight) == _metrics(resumed)  # the base rebuilt from the seed
-  assert all(m["kl"] > 0 for m in _metrics(straight) if "kl" in m)
+  # The KL term runs against the adapters' start (its value: no update has
+  # signal at this size, so it stays 0).
+  assert sum("train/kl" in m for m in _metrics(straight)) == 2
   # The checkpoint holds the adapters (A and B) and their moments, never the
   # base; training moved every B off its zero start (SFT does on this task).
   with checkpointing.Checkpointer(straight / "checkpoints") as ckpt:
@@ -101,6 +103,22 @@ def test_a_lora_run_trains_its_adapters_and_resumes_from_them(tmp_path):
             for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
   assert len(params) == 2 * 7 * 2 and all("lora" in p for p in params)  # 2 layers x 7
   assert all(np.abs(x).min() > 0 for p, x in params.items() if "lora_b" in p)
+
+
+def test_a_kl_run_resumes_a_checkpoint_saved_without_a_reference(tmp_path):
+  kl = "--config.loss.kl_beta=0.1"
+  _run(tmp_path, 0)  # SFT alone: RL iteration 0's checkpoint holds no reference
+  _run(tmp_path, 1, kl)
+  # The reference is the policy RL started from: before the first update
+  # (the logged epoch) the policy is still it, so the KL is 0.
+  (first,) = [m for m in _metrics(tmp_path) if m["step"] == 1]
+  assert first["train/kl"] == 0.0
+  _run(tmp_path, 2)  # saved with a reference, resumed without one
+  # Past iteration 0 the start policy is gone: a clear error, not a corrupt one.
+  out = subprocess.run(_command(tmp_path, 3, kl), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode != 0
+  assert "holds no KL reference" in out.stderr and "CorruptCheckpoint" not in out.stderr
 
 
 def test_a_real_run_writes_episodes_the_viewer_shows(tmp_path):
