@@ -2,18 +2,23 @@
 
 import json
 import pathlib
+import sys
 
 import nbclient
 import nbformat
 
 from agentrl_jax import viewer
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "notebooks"))
+import execute  # pylint: disable=wrong-import-position
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "credit_assignment.ipynb"
-# The arms of the committed full run; the notebook now also runs "obs_loss".
-COMMITTED = ("grpo", "drgrpo", "dapo", "rloo", "turn_returns", "gae", "branching", "gigpo",
-             "turn_rloo")  # the last one the notebook defines itself
-ARMS = COMMITTED + ("obs_loss",)
+# The arms of the committed full run (turn_rloo the notebook defines itself).
+ARMS = ("grpo", "drgrpo", "dapo", "rloo", "turn_returns", "gae", "branching", "gigpo",
+        "turn_rloo", "obs_loss")
+# Those with advantages of their own in the viewer (obs_loss's are grpo's).
+ESTIMATORS = tuple(a for a in ARMS if a != "obs_loss")
 
 
 def _parameters_cell(nb):
@@ -37,8 +42,10 @@ def test_committed_notebook_holds_a_full_run():
   assert all(c.execution_count for c in code), "committed with outputs"
   assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
   table = next(c for c in code if "summary_table" in c.source)
-  for name in COMMITTED:
+  for name in ARMS:
     assert name in _text(table)
+  # Stored as a front end shows them: no progress bar's overwritten states.
+  assert not any("\r" in o.get("text", "") for c in code for o in c.outputs)
   assert sum(_images(c) for c in code) >= 2, "the curves and the advantage heatmaps"
 
 
@@ -60,5 +67,21 @@ def test_notebook_executes_at_the_tiny_size(tmp_path):
   # The example episodes under every estimator, for the viewer, and its
   # page (the masking arm's advantages are grpo's).
   labels = {r["label"] for r in viewer.read_jsonl(tmp_path / "trajectories.jsonl")}
-  assert labels == set(COMMITTED)
+  assert labels == set(ESTIMATORS)
   assert (tmp_path / "trajectories.html").stat().st_size > 10_000
+
+
+def test_coalesce_streams_keeps_what_a_front_end_shows():
+  nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("")])
+  stream = lambda name, text: nbformat.v4.new_output("stream", name=name, text=text)
+  nb.cells[0].outputs = [
+      stream("stdout", "start\n"), stream("stderr", "bar  0%\r"),
+      stream("stderr", "bar 50%\r"), stream("stderr", "bar 100%\n"),
+      stream("stderr", "a\r\nb\n"), stream("stdout", "done\n"),
+      nbformat.v4.new_output("execute_result", data={"text/plain": "1"}),
+      stream("stdout", "after\n")]
+  execute.coalesce_streams(nb)
+  assert [(o.output_type, o.get("name"), o.get("text")) for o in nb.cells[0].outputs] == [
+      ("stream", "stdout", "start\n"), ("stream", "stderr", "bar 100%\na\nb\n"),
+      ("stream", "stdout", "done\n"), ("execute_result", None, None),
+      ("stream", "stdout", "after\n")]
