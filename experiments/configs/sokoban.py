@@ -16,8 +16,10 @@ Sized so that `experiments/credit_ablation.py --env=sokoban --size=full`
 fits about 80 minutes on 2 CPU cores. Measured over 8 seeds
 (docs/results.md, session 16): SFT leaves held-out greedy success at
 0.18 on 64 rooms (0.02-0.31 by seed), and 15 RL iterations lower it
-under every scheme tried; a recipe under which RL learns this task is
-still to be found.
+under every scheme tried: the policy learns to walk into walls until the
+turn budget ends the episode rather than risk a push (docs/results.md,
+session 20). A recipe under which RL learns this task is still to be
+found.
 """
 
 import os
