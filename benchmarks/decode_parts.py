@@ -13,7 +13,12 @@ At vs_tunix.py's goal size (Qwen2 shape, 4 layers, d = 512, 8 heads of 64,
   the next token;
 - its dense matmuls alone (`common.dense_floor`, no cache).
 
-Last line: `sampler_ms=... model_step_ms=... dense_ms=...`.
+Then one draw from [batch, 151936] log-probs (Qwen's vocabulary):
+`jax.random.categorical` (Gumbel-max, a random number per token) against
+`sampling.processing.draw` (two-level inverse CDF, two a row), each with
+the raw log-prob's normaliser.
+
+Last line: `sampler_ms=... model_step_ms=... dense_ms=... gumbel_draw_ms=... draw_ms=...`.
 """
 
 import argparse
@@ -27,10 +32,11 @@ import numpy as np
 
 from agentrl_jax import models
 from agentrl_jax.models.decoder import KVCache
-from agentrl_jax.sampling import Sampler
+from agentrl_jax.sampling import Sampler, processing
 import common  # pylint: disable=wrong-import-order
 
 PROMPT = 16
+QWEN_VOCAB = 151936
 
 
 def main():
@@ -93,7 +99,32 @@ def main():
   sampler_ms, model_ms, dense_ms = (ms["Sampler.decode, T = 1"],
                                     ms["the model's cached step + argmax"],
                                     ms["its dense matmuls alone"])
-  print(f"sampler_ms={sampler_ms:.2f} model_step_ms={model_ms:.2f} dense_ms={dense_ms:.2f}")
+  gumbel_ms, draw_ms = _draw_at_qwen_vocabulary(b, args.rounds)
+  print(f"one draw from [{b}, {QWEN_VOCAB}] log-probs, ms: Gumbel-max {gumbel_ms:.2f}, "
+        f"two-level inverse CDF {draw_ms:.2f}")
+  print(f"sampler_ms={sampler_ms:.2f} model_step_ms={model_ms:.2f} dense_ms={dense_ms:.2f} "
+        f"gumbel_draw_ms={gumbel_ms:.2f} draw_ms={draw_ms:.2f}")
+
+
+def _draw_at_qwen_vocabulary(b, rounds):
+  logits = 3.0 * jax.random.normal(jax.random.key(1), (b, QWEN_VOCAB))
+  gumbel = jax.jit(lambda key, x: (jax.random.categorical(key, x, axis=-1),
+                                   jax.nn.logsumexp(x, axis=-1)))
+
+  @jax.jit
+  def two_level(key, x):
+    logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    return processing.draw(jax.random.uniform(key, (b, 2)), logp), logp[:, 0]
+
+  fns = (gumbel, two_level)
+  times = [[], []]
+  for i in range(rounds + 1):  # round 0 compiles
+    for fn, t in zip(fns, times):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(jax.random.key(i), logits))
+      if i:
+        t.append(time.perf_counter() - t0)
+  return tuple(1e3 * statistics.median(t) for t in times)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from agentrl_jax import losses, models
+from agentrl_jax.sampling import processing
 from agentrl_jax.sampling import (
     STOP_BUDGET, STOP_CACHE_FULL, STOP_SEQUENCE, Sampler, SamplingParams, sample)
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
@@ -298,6 +299,39 @@ def test_sample_controls_and_logprobs():
   np.testing.assert_allclose(sampled[:, 1], np.log(np.array([0.5, 0.3])[tokens[:, 1]] / 0.8),
                              rtol=1e-5)
   np.testing.assert_allclose(sampled[:, 3], np.log(temp2[tokens[:, 3]]), rtol=1e-5)
+
+
+def _three_blocks():
+  """Mass 0.25 on token 5 (block 0), 0.5 on 130 (block 1), 0.25 on 299
+  (block 2, whose last 84 entries are padding); every other token 0."""
+  probs = np.zeros(300)
+  probs[[5, 130, 299]] = [0.25, 0.5, 0.25]
+  return jnp.log(jnp.asarray(probs, jnp.float32))[None]
+
+
+@pytest.mark.parametrize("u, want", [
+    ((0.0, 0.0), 5),  # the first token with mass, not token 0
+    ((0.2, 0.999), 5),
+    ((0.25, 0.0), 130),  # a CDF edge belongs to the interval it opens
+    ((0.7, 0.5), 130),
+    ((0.75, 0.0), 299),
+    ((1 - 2 ** -24, 1 - 2 ** -24), 299),  # never the padding beyond V
+])
+def test_draw_picks_the_token_whose_interval_holds_u(u, want):
+  got = processing.draw(jnp.asarray([u], jnp.float32), _three_blocks())
+  assert got.dtype == jnp.int32 and int(got[0]) == want
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+  rng = np.random.default_rng(0)
+  probs = np.zeros(300)
+  support = [0, 7, 127, 128, 200, 255, 256, 299]  # block edges included
+  probs[support] = rng.dirichlet(np.ones(len(support)))
+  logp = jnp.log(jnp.asarray(np.broadcast_to(probs, (40_000, 300)), jnp.float32))
+  tokens = np.asarray(processing.draw(jnp.asarray(rng.random((40_000, 2)), jnp.float32), logp))
+  freq = np.bincount(tokens, minlength=300) / len(tokens)
+  assert set(np.flatnonzero(freq)) <= set(support)
+  np.testing.assert_allclose(freq, probs, atol=0.012)  # > 4 standard errors
 
 
 def test_sampled_logprobs_skip_the_second_normaliser_only_when_all_rows_are_raw():
