@@ -152,8 +152,10 @@ def test_resume_from_an_adapter_checkpoint_is_exact(tmp_path):
     np.testing.assert_array_equal(a, b)
   assert {k: float(v) for k, v in m1.items()} == {k: float(v) for k, v in m2.items()}
   # On disk: the adapters, the value head and their moments, not the base.
-  saved = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
-  assert saved < sum(x.nbytes for x in jax.tree.leaves(state.frozen)) / 4
+  # The array data only: orbax's metadata grows with the path it is saved
+  # under (pytest-xdist's are longer).
+  saved = sum(f.stat().st_size for f in tmp_path.rglob("ocdbt.process_*/d/*"))
+  assert 0 < saved < sum(x.nbytes for x in jax.tree.leaves(state.frozen)) / 4
 
 
 def test_a_merged_export_computes_the_adapted_model(tmp_path):
