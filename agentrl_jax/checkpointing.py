@@ -9,9 +9,14 @@ Orbax 0.12.8 stores typed PRNG keys (`jax.random.key`, any impl, and the
 `RngKey` variables inside `nnx.state`) natively and restores them as typed
 keys of the same impl, so keys need no `key_data`/`wrap_key_data` round trip.
 
-Saves are asynchronous: `save` returns once the arrays are copied to host
-memory (so donating them to the next train step is safe) and the write to
-disk finishes in the background. `restore` and `close` wait for it first.
+Saves are asynchronous: `save` returns once the arrays are in host memory
+and the write to disk finishes in the background; `restore` and `close`
+wait for it first. Donating them to the next train step is safe: off a CPU
+they are copies, and on a CPU backend they are views of the buffers, which
+jax then does not donate (the step writes fresh ones until the write lets
+go). The write's own host memory (tensorstore's encoded chunks) grows with
+what is in flight, up to about the state's size when nothing bounds it;
+`write_gb` bounds it.
 
 A checkpoint that cannot be read (a truncated file after a crash or a full
 disk) raises `CorruptCheckpointError` naming its directory and the other
@@ -24,7 +29,15 @@ import os
 from typing import Any
 import warnings
 
+import jax
 import orbax.checkpoint as ocp
+
+
+def _shard_bytes(x) -> int:
+  """Bytes of the largest piece of `x` a save writes at once (one shard)."""
+  if isinstance(x, jax.Array):
+    return max(s.data.nbytes for s in x.addressable_shards)
+  return int(getattr(x, "nbytes", 0))
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -34,18 +47,38 @@ class CorruptCheckpointError(RuntimeError):
 class Checkpointer:
   """Saves and restores `(state_pytree, extra_dict)` by integer step."""
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
+               write_gb: float | None = None):
+    """write_gb: at most this many GB (1e9 bytes) of arrays being written at
+    once (orbax's `save_concurrent_gb`), which bounds the host memory a save
+    takes beyond the state; it must exceed the largest array (a shard of
+    it, under a mesh). None: orbax's default (96)."""
+    if write_gb is not None and not write_gb > 0:
+      raise ValueError(f"write_gb must be > 0 (or None), got {write_gb!r}")
     # Orbax resolves paths itself; an absolute path keeps a later chdir safe.
     self.directory = os.path.abspath(os.fspath(directory))
+    self.write_gb = write_gb
+    handlers = None if write_gb is None else {
+        "state": ocp.StandardCheckpointHandler(save_concurrent_gb=write_gb),
+        "extra": ocp.JsonCheckpointHandler()}
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep),
+        item_handlers=handlers)
 
   def save(self, step: int, state: Any, extra: dict | None = None) -> None:
     """Starts saving `state` (any pytree of arrays) and `extra` (JSON) at `step`.
 
     Deletes the oldest checkpoints beyond `max_to_keep` once this one commits.
+    Raises ValueError, before writing anything, when an array is larger than
+    `write_gb` (orbax would fail in the middle of the write).
     """
+    if self.write_gb is not None:
+      largest = max((_shard_bytes(x) for x in jax.tree.leaves(state)), default=0)
+      if largest >= self.write_gb * 1e9:
+        raise ValueError(
+            f"an array of the state takes {largest / 1e9:.3g} GB, more than the "
+            f"checkpoint's write_gb = {self.write_gb}: raise it above the largest array")
     self._manager.save(int(step), args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         extra=ocp.args.JsonSave(dict(extra or {}))))

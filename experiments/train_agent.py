@@ -192,7 +192,8 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   graphdef, state = train.init_train_state(model, tx if cfg.sft.steps > 0 else rl_tx,
                                            with_reference=cfg.loss.kl_beta > 0)
   del model  # the state and the sampler hold their own copies
-  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints)
+  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints,
+                                    write_gb=cfg.checkpoint_write_gb)
   progress = {"phase": "sft", "iteration": 0, "sft_success": None}
 
   pass_key = f"pass_at_{cfg.eval_samples}"

@@ -143,3 +143,43 @@ def test_a_truncated_checkpoint_is_named_and_the_last_intact_one_taken(tmp_path,
     (tmp_path / "10" / damaged).write_text("{")
     with pytest.raises(CorruptCheckpointError, match=re.escape(str(tmp_path / "10"))):
       ckpt.restore_latest(abstract_state=abstract)
+
+
+def _peak_gib_above_start(fn) -> float:
+  """GiB the process's peak resident memory rose by while `fn` ran (the
+  kernel's VmHWM, reset first through /proc/self/clear_refs)."""
+  def status(key):
+    with open("/proc/self/status") as f:
+      return next(int(l.split()[1]) for l in f if l.startswith(key)) / 2**20
+  start = status("VmRSS")
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+  fn()
+  return status("VmHWM") - start
+
+
+def test_write_gb_bounds_the_memory_a_save_takes(tmp_path):
+  # 0.5 GiB of random float32 in 16 arrays of 32 MiB: unbounded, the write's
+  # encoded chunks took 0.40-0.47 GiB more here; at 0.05 GB in flight (one
+  # array) 0.06-0.12.
+  state = {f"w{i}": jax.random.normal(jax.random.key(i), (8, 1024, 1024)) for i in range(16)}
+  jax.block_until_ready(state)
+
+  def save():
+    with Checkpointer(tmp_path / "bounded", write_gb=0.05) as ckpt:
+      ckpt.save(1, state)
+
+  assert _peak_gib_above_start(save) < 0.25
+  with Checkpointer(tmp_path / "bounded") as ckpt:
+    restored, _ = ckpt.restore(abstract_state=jax.eval_shape(lambda: state))
+  _assert_bit_equal(state, restored)
+
+
+def test_write_gb_below_an_array_is_refused_before_writing(tmp_path):
+  state = {"small": jnp.zeros((10,)), "big": jnp.zeros((1000, 100))}  # 400 kB
+  with Checkpointer(tmp_path, write_gb=0.0003) as ckpt:
+    with pytest.raises(ValueError, match=r"0\.0004 GB, more than the checkpoint's write_gb = 0\.0003"):
+      ckpt.save(1, state)
+    assert ckpt.all_steps() == []
+  with pytest.raises(ValueError, match="write_gb must be > 0"):
+    Checkpointer(tmp_path, write_gb=0)

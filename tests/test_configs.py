@@ -98,6 +98,7 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("iterations", -1, "iterations = -1 must be >= 0"),
     ("eval_every", 0, "eval_every = 0 must be >= 1"),
     ("checkpoint_every", 0, "checkpoint_every = 0 must be >= 1"),
+    ("checkpoint_write_gb", 0.0, "checkpoint_write_gb = 0.0 must be > 0"),
     ("eval_samples", -1, "eval_samples = -1 must be >= 0"),
     ("optim.learning_rate", 0.0, "optim.learning_rate = 0.0 must be > 0"),
     ("rl_optim.learning_rate", -1e-4, "rl_optim.learning_rate = -0.0001 must be > 0"),
@@ -209,12 +210,31 @@ def test_pytest_is_a_test_requirement_only():
   assert "pytest" in names("requirements-dev.txt")
 
 
+def test_the_run_hands_checkpoint_write_gb_to_its_checkpointer(tmp_path, monkeypatch):
+  class Built(Exception):
+    pass
+
+  seen = {}
+
+  def checkpointer(directory, **kwargs):
+    seen.update(kwargs)
+    raise Built  # nothing past the checkpointer is needed
+
+  cfg = default.get_config()
+  cfg.checkpoint_write_gb = 0.5
+  monkeypatch.setattr(train_agent.checkpointing, "Checkpointer", checkpointer)
+  with pytest.raises(Built):
+    train_agent.run(cfg, tmp_path / "run")
+  assert seen["write_gb"] == 0.5
+
+
 def test_the_accelerator_config_has_a_smoke_variant():
   full, smoke = qwen_tpu.get_config("/m"), qwen_tpu.get_config("/m,smoke")
   assert smoke.model.path == full.model.path == "/m"
   assert (smoke.iterations, smoke.rl.tasks_per_iteration * smoke.rl.group_size) == (1, 4)
   assert smoke.rl.buckets == (1024,) and smoke.sampler.cache_length == 1024
   assert smoke.model.param_dtype == "float32" and smoke.model.dtype == "bfloat16"
+  assert smoke.checkpoint_write_gb == 1.0 and full.checkpoint_write_gb == 96.0
   base.validate(smoke)
   with pytest.raises(ValueError, match="unknown variant 'fast'"):
     qwen_tpu.get_config("/m,fast")

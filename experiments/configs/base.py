@@ -38,6 +38,10 @@ def get_config():
   c.eval_samples = 4
   c.checkpoint_every = 20
   c.keep_checkpoints = 2
+  # GB of arrays a checkpoint writes at once (orbax's save_concurrent_gb, its
+  # default here): bounds the host memory a save takes beyond the state;
+  # above the largest array.
+  c.checkpoint_write_gb = 96.0
   # Episodes for the trajectory viewer (experiments/view.py), written to
   # <workdir>/trajectories.jsonl: every k RL iterations (0: never) up to
   # `per_group` of each group (its best and worst first), and at every
@@ -137,6 +141,7 @@ def validate(cfg) -> None:
       ("iterations", cfg.iterations >= 0, "must be >= 0"),
       ("eval_every", cfg.eval_every >= 1, "must be >= 1"),
       ("checkpoint_every", cfg.checkpoint_every >= 1, "must be >= 1"),
+      ("checkpoint_write_gb", cfg.checkpoint_write_gb > 0, "must be > 0"),
       ("eval_samples", cfg.eval_samples >= 0, "must be >= 0"),
       ("sft.steps", cfg.sft.steps >= 0, "must be >= 0"),
       ("sft.batch_size", cfg.sft.batch_size >= 1, "must be >= 1"),

@@ -75,3 +75,6 @@ def _smoke(c):
   c.rollout.max_turns, c.rollout.max_action_tokens = 2, 24
   c.loss.micro_batches = 4  # one row each: the accumulation path is exercised
   c.log.trajectories_every, c.log.eval_episodes = 0, 0
+  # The last checkpoint's write ran beside the evaluation at up to 2.8 GiB
+  # above the state (its encoded chunks); 1 GB in flight bounds that.
+  c.checkpoint_write_gb = 1.0
