@@ -97,7 +97,7 @@ SIZES = {
         "full": dict(seeds=tuple(range(8)), overrides={
             "iterations": 30, "eval_every": 5, "checkpoint_every": 100,
             "env.num_eval_tasks": 64, "rl.tasks_per_iteration": 4, "rl.group_size": 8,
-            "sft.steps": 150, "loss.ppo_epochs": 1,
+            "sft.steps": 150, "sft.num_demos": 256, "loss.ppo_epochs": 1,
             "rl_optim.learning_rate": 1e-4, "rl_optim.total_steps": 200}),
     },
     "sokoban": {
