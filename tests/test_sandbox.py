@@ -31,7 +31,11 @@ LIMITS = dict(cpu_seconds=1, wall_seconds=2, memory_mb=128, max_processes=8,
               max_file_mb=2, disk_mb=8, max_files=128, output_bytes=1024)
 # A CPU-bound attack must hit the CPU limit before the wall limit even when
 # the machine is loaded (at a 5% CPU share, 1 CPU second takes 20 s of wall).
-ATTACK_LIMITS = {"infinite_loop": dict(wall_seconds=30)}
+# A memory attack must hit the memory limit first: near it the kernel's
+# reclaim charges CPU time to the process (CI saw memory_gradual take > 1 s).
+ATTACK_LIMITS = {"infinite_loop": dict(wall_seconds=30),
+                 **{name: dict(cpu_seconds=10, wall_seconds=30)
+                    for name in ("memory_bomb", "memory_gradual", "memory_many_processes")}}
 MARKERS = ["/tmp/escape_marker", "/var/tmp/escape_marker", "/dev/shm/escape_marker",
            "/root/escape_marker", "/escape_marker", "/etc/escape_marker",
            str(REPO / "escape_marker")]
