@@ -91,6 +91,20 @@ def test_non_finite_updates_are_skipped(model):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_one_non_finite_gradient_element_anywhere_is_seen(bad):
+  all_finite = jax.jit(train.step._all_finite)
+  tree = {"a": np.zeros((3, 2), np.float32), "b": [np.ones(5, np.float32)] * 3,
+          "c": np.full((), 2.0, np.float32)}
+  assert bool(all_finite(tree))
+  leaves, treedef = jax.tree.flatten(tree)
+  for i, leaf in enumerate(leaves):
+    for j in range(leaf.size):
+      broken = [x.copy() for x in leaves]
+      broken[i].reshape(-1)[j] = bad
+      assert not bool(all_finite(jax.tree.unflatten(treedef, broken))), (i, j)
+
+
 def test_logprob_gap_and_truncated_importance_sampling(model):
   batch = _batch(3)
   graphdef, params = nnx.split(model, nnx.Param)
@@ -464,9 +478,9 @@ def test_each_compile_returns_the_compilers_memory_once(model, monkeypatch):
   assert step.traces == 2 and released == [1, 2]
 
 
-def _bf16_temps(layers, vocab, intermediate, kl_beta=0.01):
-  """{program: XLA's temporary bytes} of the RL step (nothing allocated):
-  bf16 compute over float32 masters, remat, 2 micro-batches, 4 x 32 tokens."""
+def _bf16_programs(layers, vocab, intermediate, kl_beta=0.01):
+  """{program: compiled} of the RL step (nothing allocated): bf16 compute
+  over float32 masters, remat, 2 micro-batches, 4 x 32 tokens."""
   cfg = models.tiny_config(
       "qwen2", vocab_size=vocab, intermediate_size=intermediate, num_layers=layers,
       tie_word_embeddings=True, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
@@ -478,8 +492,26 @@ def _bf16_temps(layers, vocab, intermediate, kl_beta=0.01):
   step = train.RLStep(graphdef, tx, train.LossConfig(kl_beta=kl_beta, micro_batches=2))
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4, 32), x.dtype),
                        _batch(4, vocab=vocab, buckets=(32,)))
-  return {name: p.compile().memory_analysis().temp_size_in_bytes
-          for name, p in step.lower(state, batch, 8).items()}
+  return {name: p.compile() for name, p in step.lower(state, batch, 8).items()}
+
+
+def _bf16_temps(layers, vocab, intermediate, kl_beta=0.01):
+  """{program: XLA's temporary bytes} of `_bf16_programs`."""
+  return {name: p.memory_analysis().temp_size_in_bytes
+          for name, p in _bf16_programs(layers, vocab, intermediate, kl_beta).items()}
+
+
+def test_the_steps_program_grows_linearly_with_depth():
+  # An XLA:CPU executable keeps its HLO module in host memory. The AND of
+  # the per-leaf finiteness flags, fused into every leaf's update, made the
+  # program quadratic in the number of leaves: at Qwen2.5-0.5B the
+  # executable held 1.5 GiB (0.5 GiB now, benchmarks/README.md). Here a layer added 10.7K instructions from 2 to 4
+  # layers and 15.9K from 4 to 8; now 5.2K both.
+  def instructions(layers):
+    return len(_bf16_programs(layers, 256, 256)["step"].as_text().splitlines())
+  sizes = [instructions(n) for n in (2, 4, 8)]
+  per_layer = [(sizes[1] - sizes[0]) / 2, (sizes[2] - sizes[1]) / 4]
+  assert per_layer[1] < 1.2 * per_layer[0], (sizes, per_layer)
 
 
 def test_the_bf16_step_copies_neither_the_state_nor_the_table():

@@ -192,6 +192,20 @@ def _actions(batch: TokenBatch, weights: jax.Array, num_actions: int) -> _Action
                   returns=at(batch.returns, before))
 
 
+def _all_finite(tree) -> jax.Array:
+  """[] bool: whether every element of every leaf is finite.
+
+  The per-leaf flags pass through a sort before their AND. XLA rewrites an
+  AND over a stack of scalars into a chain of scalar ANDs, and fusion copies
+  that chain into every fusion that reads the result (each parameter's and
+  moment's update): leaves^2 instructions, which an XLA:CPU executable
+  keeps in host memory (benchmarks/README.md, smoke_run.py). A sort is not
+  fused into its consumers, so the chain is computed once.
+  """
+  flags = jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
+  return jnp.all(jax.lax.sort(flags))
+
+
 def _keep_if(ok: jax.Array, new, old):
   """`new` where the update is finite (ok), else `old`: a bad step changes nothing."""
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
@@ -421,8 +435,7 @@ class RLStep:
           lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], xs_all), first)))
       zeros = (zeros[0][0], zeros[0][1][0], zeros[1])
       (loss, m, grads), (behaviour, entropy) = jax.lax.scan(micro_step, zeros, xs_all)
-      ok = jnp.isfinite(loss) & (dropped == 0) & jnp.all(jnp.asarray(
-          [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+      ok = jnp.isfinite(loss) & (dropped == 0) & _all_finite(grads)
       m = {**m, "loss": loss, "grad_norm": optax.tree.norm(grads),
            "skipped_update": 1.0 - ok.astype(jnp.float32)}
       if cfg.behaviour_forward:
