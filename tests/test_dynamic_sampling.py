@@ -39,7 +39,8 @@ class ScriptedEngine:
   def __init__(self, max_context=64):
     self.max_context, self.runs, self.groups = max_context, [], 0
     self.config = types.SimpleNamespace(max_turns=16)
-    self.sampler = types.SimpleNamespace(update_params=lambda params: None)
+    self.sampler = types.SimpleNamespace(update_params=lambda params: None,
+                                         drop_params=lambda: None)
 
   def run(self, tasks, group_size, **kwargs):
     del kwargs

@@ -14,6 +14,7 @@ import random
 import types
 
 from flax import nnx
+import jax
 import numpy as np
 import optax
 import pytest
@@ -133,6 +134,30 @@ def test_rl_iteration_with_a_sliding_window_trains_every_action_once():
   assert m["rollout/turns_max"] == 3
   assert m["train/batch_tokens"] == m["rollout/action_tokens_mean"] * m["rollout/episodes"]
   assert m["train/skipped_updates"] == 0
+
+
+def test_the_sampler_holds_no_weights_during_a_synchronous_step():
+  """Its copy is replaced after the step: kept through it, its bytes would
+  add to the step's peak. After the iteration it samples the new weights."""
+  trainer = _trainer({}, {})
+  sampler, step = trainer.engine.sampler, trainer.step
+  seen = []
+
+  class Spy:
+    def __getattr__(self, name):
+      return getattr(step, name)
+
+    def __call__(self, *args, **kwargs):
+      seen.append(sampler.params)
+      return step(*args, **kwargs)
+  trainer.step = Spy()
+  trainer.iteration(LookupEnv.tasks("train", 2, 0), 1)
+  assert seen == [None]
+  for a, b in zip(jax.tree.leaves(sampler.params), jax.tree.leaves(trainer.state.params)):
+    np.testing.assert_array_equal(a, b)
+  sampler.drop_params()
+  with pytest.raises(RuntimeError, match="weights were dropped"):
+    trainer.iteration(LookupEnv.tasks("train", 2, 0), 2)
 
 
 def test_rl_iteration_with_branching_baselines():

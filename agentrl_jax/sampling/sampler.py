@@ -165,6 +165,18 @@ class Sampler:
     (`prepare_params`'s copy of them)."""
     self.params = self.prepare_params(model_or_params)
 
+  def drop_params(self) -> None:
+    """Frees the sampler's weights until the next `update_params`: a
+    synchronous trainer replaces them after its step anyway, and holding
+    them through the step adds their bytes to its peak."""
+    self.params = None
+
+  def _weights(self):
+    if self.params is None:
+      raise RuntimeError("the sampler's weights were dropped (drop_params): "
+                         "give it weights with update_params first")
+    return self.params
+
   def prepare_params(self, model_or_params):
     """The sampler's copy of `model_or_params`, to assign to `params` now or
     later (an asynchronous trainer's rollouts sample with older weights).
@@ -268,7 +280,7 @@ class Sampler:
       n_new = np.zeros(rows, np.int32)
       for r, (s, t) in enumerate(part):
         slot_idx[r], tokens[r, :t.size], n_new[r] = s, t, t.size
-      state = self._extend_jit(self.params, state, slot_idx, tokens, n_new,
+      state = self._extend_jit(self._weights(), state, slot_idx, tokens, n_new,
                                reset and start == 0)
     return state
 
@@ -347,7 +359,7 @@ class Sampler:
         temperature=per_row(temperature, np.float32),
         top_k=per_row(top_k, np.int32), top_p=per_row(top_p, np.float32, pad=1.0))
     tables = stops.tables(self.max_stop_states, self.max_stop_classes, self.cfg.vocab_size)
-    state, out = self._decode_jit(self.params, state, slot_idx, budget, tables, sampling,
+    state, out = self._decode_jit(self._weights(), state, slot_idx, budget, tables, sampling,
                                   window)
     out = jax.device_get(out)
     actions = {}

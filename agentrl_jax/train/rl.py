@@ -431,10 +431,12 @@ class RLTrainer:
     metrics = self._combine(metrics, len(result.trajectories))
     num_actions = losses.action_bucket(int(most_actions), length)
     t0 = time.perf_counter()
+    if self._worker is None:  # asynchronous: each rollout job brings its weights
+      self.engine.sampler.drop_params()  # replaced after the step: not in its peak
     self.state, train_metrics = self.step(self.state, self._to_global(batch), num_actions)
     train_metrics = jax.device_get(train_metrics)
     metrics["time/step_s"] = time.perf_counter() - t0
-    if self._worker is None:  # asynchronous: each rollout job brings its weights
+    if self._worker is None:
       self.engine.sampler.update_params(self.state.model_params)
     skipped = float(train_metrics["skipped_updates"]) > 0
     self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
