@@ -130,6 +130,7 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("loss.kl_kind", "k4", "loss.kl_kind = 'k4' must be one of ('k1',"),
     ("loss.is_correction", "is", "loss.is_correction = 'is' must be one of ('none',"),
     ("rl.max_staleness", -1, "rl.max_staleness = -1 must be >= 0"),
+    ("rl.top_variance_frac", 0.0, "rl.top_variance_frac = 0.0 must be in (0, 1]"),
     ("mesh.sampler_devices", -1, "mesh.sampler_devices = -1 must be >= 0"),
     ("env.name", "chess", "env.name = 'chess' does not load: unknown environment 'chess'"),
 ])

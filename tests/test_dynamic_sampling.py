@@ -143,6 +143,38 @@ def test_dynamic_sampling_config_errors():
     rl.RLConfig(max_refill_tasks=2, filter_zero_variance=True, token_budget=100)
   with pytest.raises(ValueError, match="below the context budget"):
     _trainer(overlong_buffer=64)
+  for frac in (0.0, 1.5):
+    with pytest.raises(ValueError, match=r"top_variance_frac = .* must be in \(0, 1\]"):
+      rl.RLConfig(top_variance_frac=frac)
+  with pytest.raises(ValueError, match="use one of the two"):
+    rl.RLConfig(max_refill_tasks=2, filter_zero_variance=True, top_variance_frac=0.5)
+
+
+@pytest.mark.parametrize("frac, kept_tasks", [
+    (0.25, ["spread_a"]), (0.5, ["spread_a", "spread_b"]),
+    (0.75, ["spread_a", "spread_b", "half"]), (1.0, ["flat", "spread_a", "half", "spread_b"])])
+def test_top_variance_frac_trains_the_groups_whose_rewards_spread_most(frac, kept_tasks):
+  """RAGEN's rollout filter. Rewards of 3 episodes a task, and their
+  standard deviations: flat (1, 1, 1) 0; spread_a (0, 1, 0) and spread_b
+  (1, 0, 0) 0.471 each (a tie: the group seen first goes first); half
+  (0, 0.5, 0) 0.236. ceil(frac x 4) groups stay."""
+  three = dict(actions=(1, 1, 1), truncated=(False,) * 3)
+  tasks = [_task("flat", (1.0, 1.0, 1.0), **three), _task("spread_a", (0.0, 1.0, 0.0), **three),
+           _task("half", (0.0, 0.5, 0.0), **three), _task("spread_b", (1.0, 0.0, 0.0), **three)]
+  engine, step = ScriptedEngine(), RecordingStep()
+  trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None, model_params=None),
+                         rl.RLConfig(group_size=3, tasks_per_iteration=4, buckets=(16,),
+                                     top_variance_frac=frac))
+  m = trainer.iteration(tasks, 1)
+  batch = step.batches[0][0]
+  names = [t.task_id for t in tasks]
+  owners = [o for o in _groups_of(batch) if o >= 0]
+  assert sorted(owners) == sorted(3 * names.index(n) + i for n in kept_tasks for i in range(3))
+  assert batch.tokens.shape[0] == 12  # padded to tasks x group_size rows
+  if frac < 1:
+    assert m["rollout/variance_kept_frac"] == len(kept_tasks) / 4
+  else:
+    assert "rollout/variance_kept_frac" not in m
 
 
 def test_overlong_shaping_by_hand():

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -114,6 +115,10 @@ class RLConfig:
   # weights of iteration i - max_staleness, on a worker thread, while the
   # trainer updates on the iterations before. 0: synchronous.
   max_staleness: int = 0
+  # RAGEN's rollout filter (StarPO-S, against the "echo trap"): train on
+  # this fraction of the iteration's groups (rounded up), those whose
+  # outcome rewards spread most (`_keep_most_varied_groups`). 1.0: all.
+  top_variance_frac: float = 1.0
 
   def __post_init__(self):
     check_fields(self, [
@@ -127,7 +132,11 @@ class RLConfig:
         ("max_refill_tasks", self.max_refill_tasks >= 0, "must be >= 0"),
         ("overlong_buffer", self.overlong_buffer >= 0, "must be >= 0"),
         ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
+        ("top_variance_frac", 0 < self.top_variance_frac <= 1, "must be in (0, 1]"),
     ])
+    if self.max_refill_tasks and self.top_variance_frac < 1:
+      raise ValueError("max_refill_tasks refills groups to a count that top_variance_frac "
+                       "< 1 would cut again; use one of the two")
     if self.max_refill_tasks and not self.filter_zero_variance:
       raise ValueError("max_refill_tasks refills the groups filter_zero_variance drops; "
                        "turn filtering on")
@@ -427,6 +436,11 @@ class RLTrainer:
       if rows == 0:  # no group carries any signal: nothing to learn from this batch
         return self._skip(metrics, len(trajs))
       batch = _pad_rows(batch, base * -(-int(rows) // base))
+    if cfg.top_variance_frac < 1:
+      batch, kept = _keep_most_varied_groups(batch, outcomes, cfg.top_variance_frac)
+      metrics["rollout/variance_kept_frac"] = kept / max(len(trajs), 1)
+      rows, = distributed.agree_max([int(np.sum(batch.seq_ids.max(axis=1) >= 0))])
+      batch = _pad_rows(batch, base * -(-max(int(rows), 1) // base))
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics = self._combine(metrics, len(result.trajectories))
     num_actions = losses.action_bucket(int(most_actions), length)
@@ -651,6 +665,26 @@ def _keep_groups_with_signal(batch: TokenBatch, trajs: Sequence[Trajectory],
   keep = keep_traj[ids.max(axis=1)]
   return (jax.tree.map(lambda x: x[keep], batch), int(keep_traj.sum()), len(informative),
           len(set(groups.tolist())) - len(informative))
+
+
+def _keep_most_varied_groups(batch: TokenBatch, trajs: Sequence[Trajectory],
+                             frac: float) -> tuple[TokenBatch, int]:
+  """The rows of the ceil(frac x groups) groups whose rewards have the
+  largest standard deviation over the group, ties to the group seen first
+  (RAGEN's rollout filter by reward variance, StarPO-S). `trajs` are the
+  episodes unshaped, indexed by the batch's `seq_ids`. Returns the kept
+  rows (compacted, the same width) and how many trajectories they hold.
+  """
+  groups = [t.metadata["group_id"] for t in trajs]
+  order = list(dict.fromkeys(groups))
+  rewards = np.asarray([t.reward for t in trajs], np.float64)
+  members = np.asarray(groups)
+  spread = np.asarray([rewards[members == g].std() for g in order])
+  k = math.ceil(round(len(order) * frac, 9))  # 0.3 x 10 is 3, not 4
+  kept = {order[i] for i in np.argsort(-spread, kind="stable")[:k]}
+  keep_traj = np.asarray([g in kept for g in groups] + [False])  # [-1]: padding
+  keep = keep_traj[batch.seq_ids.max(axis=1)]
+  return jax.tree.map(lambda x: x[keep], batch), int(keep_traj.sum())
 
 
 def overlong_shaped(trajs: Sequence[Trajectory], budget: int, buffer: int,
