@@ -147,6 +147,25 @@ def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):
   assert not (tmp_path / "run").exists(), "nothing was written"
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"rl.max_staleness": 1}, "set loss.is_correction='tis'"),
+    ({"rl.overlong_buffer": "cache_length"}, "must be below the context budget"),
+    ({"rl.credit": "branching", "rl.token_budget": 64},
+     "cannot run with partial rollouts (token_budget)"),
+    ({"rl.credit": "branching", "rl.max_staleness": 1, "loss.is_correction": "tis"},
+     "it cannot run with max_staleness > 0"),
+])
+def test_rules_across_fields_fail_before_any_work(tmp_path, fields, message):
+  # RLTrainer applies the same rules, but only once SFT has run.
+  cfg = default.get_config()
+  for field, value in fields.items():
+    section, leaf = field.split(".")
+    cfg[section][leaf] = cfg.sampler.cache_length if value == "cache_length" else value
+  with pytest.raises(base.ConfigError, match=re.escape(message)):
+    train_agent.run(cfg, tmp_path / "run")
+  assert not (tmp_path / "run").exists(), "nothing was written"
+
+
 def test_a_config_names_any_registered_credit_scheme():
   cfg = default.get_config()
   cfg.rl.credit = "test_config_scheme"

@@ -14,6 +14,7 @@ import pytest
 
 from agentrl_jax.envs import Task
 from agentrl_jax.train import rl
+from agentrl_jax.train import step as step_lib
 from agentrl_jax.trajectory import Role, Segment, Trajectory
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
@@ -63,6 +64,7 @@ class ScriptedEngine:
 
 class RecordingStep:
   mesh = None
+  cfg = step_lib.LossConfig()
 
   def __init__(self):
     self.batches = []

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from agentrl_jax import losses, models, train
+from agentrl_jax import checkpointing, losses, models, train
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
 
 
@@ -397,7 +397,7 @@ def _changed_fraction(before, after) -> float:
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
-def test_bf16_compute_trains_float32_masters(param_dtype):
+def test_bf16_compute_trains_float32_masters(param_dtype, tmp_path):
   # Under bf16 activations the masters and AdamW's moments stay float32, so
   # one 1e-6 step moves (nearly) every weight; bf16 masters would round
   # most such updates away (~2% of the weights move).
@@ -418,6 +418,12 @@ def test_bf16_compute_trains_float32_masters(param_dtype):
             if jnp.issubdtype(x.dtype, jnp.floating)}
   assert dtypes == {jnp.dtype(jnp.float32)}
   assert moved > 0.99
+  # A checkpoint keeps the float32 masters and moments.
+  ckpt = checkpointing.Checkpointer(tmp_path)
+  ckpt.save(1, train.checkpointed(state))
+  saved = ckpt.saved_tree(1)
+  assert {jnp.dtype(m.dtype) for m in jax.tree.leaves((saved["params"], saved["opt_state"]))
+          if jnp.issubdtype(m.dtype, jnp.floating)} == {jnp.dtype(jnp.float32)}
   # The reference is the masters' bf16 copy: half the bytes, and the same
   # forward, since every layer casts its weights to bf16 before use.
   assert {x.dtype for x in jax.tree.leaves(state.ref_params)} == {jnp.dtype(jnp.bfloat16)}

@@ -149,6 +149,30 @@ class RLConfig:
     if self.max_staleness and self.max_refill_tasks:
       raise ValueError("max_staleness cannot run with dynamic sampling (max_refill_tasks): "
                        "refills roll out inside the update")
+    branches = credit.scheme(self.credit).needs_branches
+    if branches and self.token_budget is not None:
+      raise ValueError(f"credit scheme {self.credit!r} replays finished episodes of this "
+                       "iteration's tasks; it cannot run with partial rollouts "
+                       "(token_budget)")
+    if branches and self.max_staleness:
+      raise ValueError(f"credit scheme {self.credit!r} rolls out continuations inside "
+                       "the update; it cannot run with max_staleness > 0")
+
+
+def check_sections(cfg: RLConfig, loss: step_lib.LossConfig, max_context: int) -> None:
+  """Raises ValueError if `cfg` cannot run with the loss section and a
+  context budget of `max_context` tokens (the sampler's cache length).
+  RLConfig checks its own fields; this is every rule that spans sections,
+  in one place: `RLTrainer` calls it, and so does a config's validation
+  before any work."""
+  if cfg.overlong_buffer >= max_context:
+    raise ValueError(f"overlong_buffer={cfg.overlong_buffer} must be below the context "
+                     f"budget ({max_context} tokens)")
+  if cfg.max_staleness and loss.is_correction != "tis":
+    raise ValueError(
+        "max_staleness > 0 trains on rollouts of older weights: set "
+        "loss.is_correction='tis', so the ratio is taken against the trainer's own "
+        "log-probs and the sampler's are importance-weighted (see pipeline.py)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,24 +312,9 @@ class RLTrainer:
     if cfg.max_refill_tasks and jax.process_count() > 1:
       raise ValueError("max_refill_tasks (dynamic sampling) runs in one process only: the "
                        "processes would have to agree on every refill round")
-    if cfg.overlong_buffer >= engine.max_context:
-      raise ValueError(f"overlong_buffer={cfg.overlong_buffer} must be below the context "
-                       f"budget ({engine.max_context} tokens)")
-    if cfg.token_budget is not None and self._credit.needs_branches:
-      raise ValueError(f"credit scheme {cfg.credit!r} replays finished episodes of this "
-                       "iteration's tasks; it cannot run with partial rollouts "
-                       "(token_budget)")
-    if cfg.max_staleness:
-      if self._credit.needs_branches:
-        raise ValueError(f"credit scheme {cfg.credit!r} rolls out continuations inside "
-                         "the update; it cannot run with max_staleness > 0")
-      if jax.process_count() > 1:
-        raise ValueError("max_staleness > 0 runs in one process only")
-      if step.cfg.is_correction != "tis":
-        raise ValueError(
-            "max_staleness > 0 trains on rollouts of older weights: set "
-            "loss.is_correction='tis', so the ratio is taken against the trainer's own "
-            "log-probs and the sampler's are importance-weighted (see pipeline.py)")
+    check_sections(cfg, step.cfg, engine.max_context)
+    if cfg.max_staleness and jax.process_count() > 1:
+      raise ValueError("max_staleness > 0 runs in one process only")
     self._worker = pipeline.RolloutWorker() if cfg.max_staleness else None
     self._ahead: dict[int, list[str]] = {}  # the task ids of the rollouts started ahead
     self._rows = None if step.mesh is None else sharding.batch_sharding(step.mesh)

@@ -17,7 +17,7 @@ from agentrl_jax.checks import FieldError
 from agentrl_jax.models import LoraConfig
 from agentrl_jax.rollout import RolloutConfig
 from agentrl_jax.train import LossConfig, OptimConfig, presets
-from agentrl_jax.train.rl import RLConfig
+from agentrl_jax.train.rl import RLConfig, check_sections
 
 # Config sections that are a library dataclass's fields.
 SECTIONS = {"rollout": RolloutConfig, "optim": OptimConfig, "rl_optim": OptimConfig,
@@ -125,16 +125,24 @@ def _section(cls, **overrides) -> ml_collections.ConfigDict:
 
 def validate(cfg) -> None:
   """Raises ConfigError naming each field no run could use: the library
-  dataclasses' own rules (each section built once here), then what spans
-  sections (buckets against the cache, the mesh against the batch)."""
+  dataclasses' own rules (each section built once here), the RL section's
+  rules against the others (`rl.check_sections`, which RLTrainer also
+  applies), then what spans sections here (buckets against the cache, the
+  mesh against the batch)."""
   bad = []
+  built = {}
   for name, cls in SECTIONS.items():
     try:
-      cls(**cfg[name])
+      built[name] = cls(**cfg[name])
     except FieldError as e:
       bad += [f"{name}.{field} = {value!r} {why}" for field, value, why in e.problems]
     except (TypeError, ValueError) as e:
       bad.append(f"{name}: {e}")
+  if "rl" in built and "loss" in built:
+    try:
+      check_sections(built["rl"], built["loss"], cfg.sampler.cache_length)
+    except ValueError as e:
+      bad.append(f"rl: {e}")
   split = cfg.mesh.data * cfg.mesh.fsdp
   env_problem = _env_problem(cfg.env.name)
   rules = [
