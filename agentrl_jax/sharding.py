@@ -171,7 +171,7 @@ def rows_sharding(tree: Any, mesh: Mesh) -> Any:
 
 
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
-  """Tree of NamedSharding for a KVCache (leaves [B, KV, S, D]): slots over
+  """Tree of NamedSharding for a KVCache (leaves [B, KV, ...]): slots over
   ("data", "fsdp"), kv heads over "tensor", each where it divides.
 
   Sharding kv heads like the k/v projections' output keeps attention local to

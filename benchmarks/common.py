@@ -7,6 +7,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import torch
@@ -80,3 +81,27 @@ def dense_floor(*, layers, hidden, intermediate, q_width, kv_width, vocab, batch
     return jax.lax.fori_loop(0, new_tokens, body, x)
 
   return lambda: jax.block_until_ready(steps(ws, x0))
+
+
+def cached_steps(decoder_module, cfg, *, batch, prompt, new_tokens):
+  """The model's cached decode step alone: `decoder_module.Decoder` (seed 0)
+  writes `new_tokens` tokens into a fresh `decoder_module.KVCache` after
+  position `prompt`, argmax feeding the next token; no sampler. Returns a
+  function that runs them once and returns the [batch] last tokens."""
+  graphdef, params = nnx.split(decoder_module.Decoder(cfg, rngs=nnx.Rngs(0)))
+  b, n = batch, new_tokens
+
+  @jax.jit
+  def steps(params, token):
+    m = nnx.merge(graphdef, params)
+
+    def body(i, carry):
+      cache, token = carry
+      hidden, cache = m.hidden_states(token[:, None], jnp.full((b, 1), prompt + i, jnp.int32),
+                                      cache=cache)
+      return cache, jnp.argmax(m.logits(hidden[:, 0]), -1).astype(jnp.int32)
+    cache = decoder_module.KVCache.zeros(cfg, b, prompt + n)
+    return jax.lax.fori_loop(0, n, body, (cache, token))[1]
+
+  token0 = jnp.zeros(b, jnp.int32)
+  return lambda: jax.block_until_ready(steps(params, token0))

@@ -27,11 +27,10 @@ import time
 
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax import models
-from agentrl_jax.models.decoder import KVCache
+from agentrl_jax.models import decoder
 from agentrl_jax.sampling import Sampler, processing
 import common  # pylint: disable=wrong-import-order
 
@@ -62,23 +61,9 @@ def main():
       jax.block_until_ready(state.lengths)
     return run
 
-  graphdef, params = nnx.split(model)
-
-  @jax.jit
-  def model_steps(params, token):
-    m = nnx.merge(graphdef, params)
-
-    def body(i, carry):
-      cache, token = carry
-      hidden, cache = m.hidden_states(token[:, None], jnp.full((b, 1), PROMPT + i, jnp.int32),
-                                      cache=cache)
-      return cache, jnp.argmax(m.logits(hidden[:, 0]), -1).astype(jnp.int32)
-    return jax.lax.fori_loop(0, n, body, (KVCache.zeros(cfg, b, PROMPT + n), token))[1]
-
-  token0 = jnp.zeros(b, jnp.int32)
   fns = {"Sampler.decode, T = 1": decode(1.0), "Sampler.decode, greedy": decode(0.0),
-         "the model's cached step + argmax": lambda: jax.block_until_ready(
-             model_steps(params, token0)),
+         "the model's cached step + argmax": common.cached_steps(
+             decoder, cfg, batch=b, prompt=PROMPT, new_tokens=n),
          "its dense matmuls alone": common.dense_floor(
              layers=cfg.num_layers, hidden=cfg.hidden_size,
              intermediate=cfg.intermediate_size, q_width=cfg.num_heads * cfg.head_dim,

@@ -121,7 +121,8 @@ def test_fork_restarts_a_slot_from_a_snapshot_prefix(sampler):
   held = prompt + actions[0].tokens + [40, 41, 42, 43, 44, 45, 46, 47]
   assert int(state.lengths[0]) == len(held) == 30
   snap = sampler.snapshot(state, 0, 30)
-  assert snap.k[0].shape[1] == CACHE // 2  # the smallest window that holds 30
+  # The smallest window that holds 30, in the keys' and values' layouts.
+  assert snap.k[0].shape[2] == snap.v[0].shape[1] == CACHE // 2
   state = sampler.prefill(state, [0], [[7] * 50])  # the source slot is reused
   state = sampler.fork(state, 2, snap, 21)
   assert int(state.lengths[2]) == 21

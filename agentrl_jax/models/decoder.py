@@ -44,20 +44,26 @@ class KVCache:
   A slot's positions must be written contiguously from 0: a query at
   position p attends to every cached position <= p, so whatever a released
   slot left beyond its new length is never read.
+
+  Keys are stored transposed, positions last: the score dot q.K then
+  contracts the keys' leading feature axis, as probs.V does the values',
+  which XLA:CPU runs about twice as fast as contracting their minor axis
+  (benchmarks/decode_parts.py).
   """
 
-  k: tuple[jax.Array, ...]  # per layer [B, KV, S, D]
+  k: tuple[jax.Array, ...]  # per layer [B, KV, D, S]
   v: tuple[jax.Array, ...]  # per layer [B, KV, S, D]
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> KVCache:
-    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
-    make = lambda: tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
-    return cls(k=make(), v=make())
+    b, kv, d = batch, cfg.num_kv_heads, cfg.head_dim
+    layers = range(cfg.num_layers)
+    return cls(k=tuple(jnp.zeros((b, kv, d, length), cfg.dtype) for _ in layers),
+               v=tuple(jnp.zeros((b, kv, length, d), cfg.dtype) for _ in layers))
 
   @property
   def length(self) -> int:
-    return self.k[0].shape[2]
+    return self.v[0].shape[2]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -183,7 +189,8 @@ class Attention(nnx.Module):
     self.denom = math.sqrt(cfg.query_pre_attn_scalar or hd)
 
   def __call__(self, x, positions, rope, mask, cache_kv):
-    """x [B, L, d]; mask [B, L, S] bool; cache_kv None or ([B,KV,S,D],) * 2."""
+    """x [B, L, d]; mask [B, L, S] bool; cache_kv None or a layer's cached
+    keys [B, KV, D, S] and values [B, KV, S, D] (`KVCache`)."""
     cfg = self.cfg
     b, l, _ = x.shape
     kv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
@@ -198,7 +205,7 @@ class Attention(nnx.Module):
       # dropped: that is how callers park padding tokens), then attend to
       # the whole cache.
       rows = jnp.arange(b)[:, None]
-      k = cache_kv[0].at[rows, :, positions].set(k.astype(cache_kv[0].dtype), mode="drop")
+      k = cache_kv[0].at[rows, :, :, positions].set(k.astype(cache_kv[0].dtype), mode="drop")
       v = cache_kv[1].at[rows, :, positions].set(v.astype(cache_kv[1].dtype), mode="drop")
       cache_kv = (k, v)
     else:
@@ -206,7 +213,10 @@ class Attention(nnx.Module):
     # Head-major layout ([B, KV, G, L, D] x [B, KV, S, D]): ~1.7x faster
     # than contracting in the token-major layout on XLA:CPU.
     q = q.reshape(b, l, kv, g, hd).transpose(0, 2, 3, 1, 4)
-    if cache_kv is None:
+    if cache_kv is not None:
+      out = _attention(q, k, v, mask, self.denom, cfg.attn_logit_softcap, "bkds")[0]
+      out = out.astype(v.dtype)
+    else:
       # Training rows are causal in index order, so a block of queries needs
       # the keys up to its own end only: the masked upper triangle is
       # skipped (4 blocks of a 256-token row compute 62% of the scores;
@@ -216,8 +226,6 @@ class Attention(nnx.Module):
           [_attend(q[:, :, :, a:e], k[:, :, :e], v[:, :, :e], mask[:, a:e, :e],
                    self.denom, cfg.attn_logit_softcap)
            for a, e in zip(edges, edges[1:])], axis=3)
-    else:
-      out = _attend(q, k, v, mask, self.denom, cfg.attn_logit_softcap)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, l, -1)
     return self.o_proj(out), cache_kv
 
@@ -241,18 +249,25 @@ def _attend(q, k, v, mask, denom, softcap):
   return _attend_fwd(q, k, v, mask, denom, softcap)[0]
 
 
-def _scores(q, k, denom, softcap):
-  """[B, KV, G, L, S] float32 scores (bf16 exp/sum over long contexts drifts)."""
-  scores = jnp.einsum("bkgld,bksd->bkgls", q, k,
+def _scores(q, k, denom, softcap, keys="bksd"):
+  """[B, KV, G, L, S] float32 scores (bf16 exp/sum over long contexts drifts);
+  `keys` names k's layout: "bksd", or "bkds" (the cache's)."""
+  scores = jnp.einsum(f"bkgld,{keys}->bkgls", q, k,
                       preferred_element_type=jnp.float32) / denom
   return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
-def _attend_fwd(q, k, v, mask, denom, softcap):
-  scores = jnp.where(mask[:, None, None], _scores(q, k, denom, softcap), _MASKED)
+def _attention(q, k, v, mask, denom, softcap, keys):
+  """The float32 output [B, KV, G, L, D] and the probabilities [B, KV, G, L, S]."""
+  scores = jnp.where(mask[:, None, None], _scores(q, k, denom, softcap, keys), _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgls,bksd->bkgld", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
+  return out, probs
+
+
+def _attend_fwd(q, k, v, mask, denom, softcap):
+  out, probs = _attention(q, k, v, mask, denom, softcap, "bksd")
   return out.astype(v.dtype), (q, k, v, mask, probs, out)
 
 

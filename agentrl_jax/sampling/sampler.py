@@ -67,7 +67,7 @@ STOP_NONE, STOP_SEQUENCE, STOP_BUDGET, STOP_CACHE_FULL = 0, 1, 2, 3
 
 @flax.struct.dataclass
 class SamplerState:
-  cache: KVCache  # per layer [B, KV, S, D]
+  cache: KVCache  # per layer keys [B, KV, D, S], values [B, KV, S, D]
   lengths: jax.Array  # [B] int32, tokens held in the cache per slot
   next_logits: jax.Array  # [B, V] float32, logits for each slot's next token
   rng: jax.Array  # PRNG key
@@ -77,8 +77,8 @@ class SamplerState:
 class SlotSnapshot:
   """A device copy of one slot's first `length` cached tokens (`Sampler.snapshot`)."""
 
-  k: tuple[jax.Array, ...]  # per layer [KV, W, D], W the window that holds `length`
-  v: tuple[jax.Array, ...]
+  k: tuple[jax.Array, ...]  # per layer [KV, D, W], W the window that holds `length`
+  v: tuple[jax.Array, ...]  # per layer [KV, W, D]
   length: int = flax.struct.field(pytree_node=False)  # tokens it holds
 
 
@@ -416,7 +416,7 @@ class Sampler:
     rows = jnp.minimum(slot_idx, self.num_slots - 1)
     b = slot_idx.shape[0]
     sub = state.replace(
-        cache=KVCache(k=tuple(k[rows, :, :window] for k in state.cache.k),
+        cache=KVCache(k=tuple(k[rows, :, :, :window] for k in state.cache.k),
                       v=tuple(v[rows, :, :window] for v in state.cache.v)),
         lengths=state.lengths[rows], next_logits=state.next_logits[rows])
     live = (slot_idx < self.num_slots) & (budget > 0) & (sub.lengths < s_len)
@@ -463,17 +463,18 @@ class Sampler:
     _, sub, out, _, _ = jax.lax.while_loop(
         cond, body, (jnp.int32(0), sub, buffers, live, stop_state))
     put = lambda full, part: full.at[slot_idx].set(part, mode="drop")
-    put_window = lambda full, part: full.at[slot_idx, :, :window].set(part, mode="drop")
+    put_k = lambda full, part: full.at[slot_idx, :, :, :window].set(part, mode="drop")
+    put_v = lambda full, part: full.at[slot_idx, :, :window].set(part, mode="drop")
     state = state.replace(
-        cache=KVCache(k=tuple(map(put_window, state.cache.k, sub.cache.k)),
-                      v=tuple(map(put_window, state.cache.v, sub.cache.v))),
+        cache=KVCache(k=tuple(map(put_k, state.cache.k, sub.cache.k)),
+                      v=tuple(map(put_v, state.cache.v, sub.cache.v))),
         lengths=put(state.lengths, sub.lengths),
         next_logits=put(state.next_logits, sub.next_logits), rng=sub.rng)
     return state, out
 
 
 def _snapshot_impl(cache: KVCache, slot, window: int):
-  return (tuple(k[slot, :, :window] for k in cache.k),
+  return (tuple(k[slot, :, :, :window] for k in cache.k),
           tuple(v[slot, :, :window] for v in cache.v))
 
 
