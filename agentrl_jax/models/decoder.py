@@ -46,9 +46,9 @@ class KVCache:
   slot left beyond its new length is never read.
 
   Keys are stored transposed, positions last: the score dot q.K then
-  contracts the keys' leading feature axis, as probs.V does the values',
-  which XLA:CPU runs about twice as fast as contracting their minor axis
-  (benchmarks/decode_parts.py).
+  contracts the keys' leading feature axis, as probs.V does the values';
+  XLA:CPU ran it several times slower on their minor axis (the profile in
+  docs/results.md; `benchmarks/decode_vs_commit.py` times the step).
   """
 
   k: tuple[jax.Array, ...]  # per layer [B, KV, D, S]
