@@ -26,8 +26,9 @@ each comparison changes one thing (`ARMS`):
 A credit scheme registered by name (`credit.register`) is an estimator arm
 too. Environments (`ENVS`): text FrozenLake with the shaped per-turn reward
 (0.1 per cell closer to the goal), gamma 0.9
-(`configs/frozen_lake_turn_credit.py`), and text Sokoban with the outcome
-reward alone (`configs/sokoban.py`).
+(`configs/frozen_lake_turn_credit.py`), text Sokoban with the outcome
+reward alone (`configs/sokoban.py`), and the warehouse tool task, JSON tool
+calls and their results as observations (`configs/tools_example.py`).
 """
 
 import argparse
@@ -47,7 +48,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from agentrl_jax import checkpointing, metrics, train, viewer  # pylint: disable=wrong-import-position
 from agentrl_jax.train import credit, presets, rl  # pylint: disable=wrong-import-position
 from agentrl_jax.trajectory import collate, turn_arrays  # pylint: disable=wrong-import-position
-from configs import frozen_lake_turn_credit, sokoban  # pylint: disable=wrong-import-position
+from configs import frozen_lake_turn_credit, sokoban, tools_example  # pylint: disable=wrong-import-position
 import train_agent  # pylint: disable=wrong-import-position
 
 BASELINE = "grpo"
@@ -79,7 +80,8 @@ ARMS = {
 }
 ARM_NAMES = tuple(ARMS)
 
-ENVS = {"frozen_lake": frozen_lake_turn_credit.get_config, "sokoban": sokoban.get_config}
+ENVS = {"frozen_lake": frozen_lake_turn_credit.get_config, "sokoban": sokoban.get_config,
+        "tools": tools_example.get_config}
 
 _TINY = {"iterations": 2, "eval_every": 1, "checkpoint_every": 100,
          "sft.steps": 4, "sft.num_demos": 8, "sft.batch_size": 4,
@@ -102,6 +104,11 @@ SIZES = {
     },
     "sokoban": {
         # Its rooms take 4+ moves: the turn budget stays the config's.
+        "tiny": dict(seeds=(0,), overrides=_TINY),
+        # The config's own run, 8 seeds (runtime on this CPU: docs/results.md).
+        "full": dict(seeds=tuple(range(8)), overrides={"checkpoint_every": 100}),
+    },
+    "tools": {
         "tiny": dict(seeds=(0,), overrides=_TINY),
         # The config's own run, 8 seeds (runtime on this CPU: docs/results.md).
         "full": dict(seeds=tuple(range(8)), overrides={"checkpoint_every": 100}),

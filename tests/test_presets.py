@@ -50,6 +50,9 @@ def test_ablation_arms_change_one_thing_against_grpo():
       base.validate(cfg)
       if env == "sokoban":  # the expert's demos fit the turn budget
         assert cfg.rollout.max_turns >= cfg.env.task_kwargs["min_moves"] + 6
+      if env == "tools":  # the warehouse task in Qwen2.5's tool-call format
+        assert cfg.env.name.endswith("warehouse_tools.py:make_env")
+        assert (cfg.env.chat_format, cfg.model.tiny.vocab_size) == ("qwen2.5", 1024)
       comparison = credit_ablation.ARMS[name].comparison
       if comparison in ("baseline", "estimator", "masking"):
         # grpo's whole loss; only the estimator or the loss mask differs.
