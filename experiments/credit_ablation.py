@@ -102,17 +102,12 @@ SIZES = {
             "sft.steps": 150, "sft.num_demos": 256, "loss.ppo_epochs": 1,
             "rl_optim.learning_rate": 1e-4, "rl_optim.total_steps": 200}),
     },
-    "sokoban": {
-        # Its rooms take 4+ moves: the turn budget stays the config's.
-        "tiny": dict(seeds=(0,), overrides=_TINY),
-        # The config's own run, 8 seeds (runtime on this CPU: docs/results.md).
-        "full": dict(seeds=tuple(range(8)), overrides={"checkpoint_every": 100}),
-    },
-    "tools": {
-        "tiny": dict(seeds=(0,), overrides=_TINY),
-        # The config's own run, 8 seeds (runtime on this CPU: docs/results.md).
-        "full": dict(seeds=tuple(range(8)), overrides={"checkpoint_every": 100}),
-    },
+    # Sokoban (its rooms take 4+ moves: the turn budget stays the config's)
+    # and the tool task: `full` is the config's own run, 8 seeds (runtime on
+    # this CPU: docs/results.md).
+    **{env: {"tiny": dict(seeds=(0,), overrides=_TINY),
+             "full": dict(seeds=tuple(range(8)), overrides={"checkpoint_every": 100})}
+       for env in ("sokoban", "tools")},
 }
 
 
