@@ -269,17 +269,35 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     bar = tqdm.tqdm(total=cfg.sft.steps, desc="SFT", unit="step", disable=not primary)
 
     def on_step(i, m):
+      progress["sft_steps"] = i + 1
       bar.update()
       bar.set_postfix(loss=f"{m['sft_loss']:.3f}")
       if i % 10 == 0 or i == cfg.sft.steps - 1:
         # SFT steps sit before RL on one axis: -steps .. -1, RL from 0.
         log(i - cfg.sft.steps, m, prefix="sft/")
 
+    check_tasks = train_tasks[cfg.sft.num_demos:cfg.sft.num_demos + cfg.sft.check_tasks]
+
+    def check(state):
+      """Greedy success on training-split tasks SFT was not shown."""
+      sampler.update_params(state.model_params)
+      success = rl.evaluate(engine, check_tasks)["success"]
+      log(progress["sft_steps"] - 1 - cfg.sft.steps, {"check_success": success}, prefix="sft/")
+      bar.set_postfix(check_success=f"{success:.3f}")
+      return success
+
+    stop = (sft.stop_at_success(check, target=cfg.sft.stop_at_success,
+                                every=cfg.sft.check_every)
+            if cfg.sft.stop_at_success else None)
     state = sft.distill(train.SFTStep(graphdef, tx, mesh=mesh), state, demos,
                         steps=cfg.sft.steps,
                         batch_size=cfg.sft.batch_size, buckets=cfg.rl.buckets,
-                        seed=cfg.seed, on_step=on_step)
+                        seed=cfg.seed, on_step=on_step, stop=stop)
     bar.close()
+    if primary and progress["sft_steps"] < cfg.sft.steps:
+      print(f"SFT stopped after {progress['sft_steps']} of {cfg.sft.steps} steps: greedy "
+            f"success >= {cfg.sft.stop_at_success} on {len(check_tasks)} training tasks "
+            f"without demos")
     sampler.update_params(state.model_params)
   if progress["phase"] == "sft":
     if cfg.sft.steps > 0:
@@ -294,7 +312,8 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     # gigabytes, which the host heap keeps (+3.6 GiB of RSS at 0.5B on CPU).
     if mesh is not None:  # the fresh optimizer counters too: checkpoints save shards
       state = sharding.shard(state, sharding.param_shardings(state, mesh))
-    progress = {"phase": "rl", "iteration": 0, "sft_success": evaluate(0)["success"],
+    progress = {"phase": "rl", "iteration": 0, "sft_steps": progress.get("sft_steps", 0),
+                "sft_success": evaluate(0)["success"],
                 "sft_solved": sorted(k for k, v in solved[0].items() if v)}
     at_start = sampled()
     progress.update({f"sft_{k}": v for k, v in at_start.items()})
@@ -361,7 +380,8 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   final = last.get("eval/success", float("nan"))
   final_sampled = last.get("eval/success_sampled", float("nan"))
   plot_curves.report({workdir.name: [metrics.read_metrics(workdir)]}, workdir / "curves.png")
-  summary = {"sft_success": progress["sft_success"], "rl_success": final,
+  summary = {"sft_steps": progress.get("sft_steps", 0),
+             "sft_success": progress["sft_success"], "rl_success": final,
              "sft_success_sampled": progress.get("sft_success_sampled", float("nan")),
              "rl_success_sampled": final_sampled}
   if f"eval/{pass_key}" in last:

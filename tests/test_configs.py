@@ -119,6 +119,8 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("rl_optim.learning_rate", -1e-4, "rl_optim.learning_rate = -0.0001 must be > 0"),
     ("sft.steps", -1, "sft.steps = -1 must be >= 0"),
     ("sft.batch_size", 0, "sft.batch_size = 0 must be >= 1"),
+    ("sft.stop_at_success", 1.5, "sft.stop_at_success = 1.5 must be in [0, 1]"),
+    ("sft.check_every", 0, "sft.check_every = 0 must be >= 1"),
     ("sampler.num_slots", 0, "sampler.num_slots = 0 must be >= 1"),
     ("rl.group_size", 0, "rl.group_size = 0 must be >= 1"),
     ("rl.tasks_per_iteration", 0, "rl.tasks_per_iteration = 0 must be >= 1"),
@@ -149,6 +151,8 @@ def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):
 
 @pytest.mark.parametrize("fields, message", [
     ({"rl.max_staleness": 1}, "set loss.is_correction='tis'"),
+    ({"sft.stop_at_success": 0.5, "sft.num_demos": 390},
+     "sft.check_tasks = 32 must be >= 1 and fit after sft.num_demos in env.num_train_tasks"),
     ({"rl.overlong_buffer": "cache_length"}, "must be below the context budget"),
     ({"rl.credit": "branching", "rl.token_budget": 64},
      "cannot run with partial rollouts (token_budget)"),

@@ -105,6 +105,16 @@ def test_a_lora_run_trains_its_adapters_and_resumes_from_them(tmp_path):
   assert all(np.abs(x).min() > 0 for p, x in params.items() if "lora_b" in p)
 
 
+def test_sft_checks_its_policy_on_tasks_without_demos(tmp_path):
+  # A level never reached: SFT runs its 4 steps, checking after the 2nd and 4th.
+  _run(tmp_path, 0, "--config.sft.stop_at_success=1.0", "--config.sft.check_every=2")
+  checks = [(m["step"], m["sft/check_success"]) for m in _metrics(tmp_path)
+            if "sft/check_success" in m]
+  assert [step for step, _ in checks] == [-3, -1]  # SFT step i at i - 4
+  assert all(0 <= success < 1 for _, success in checks)
+  assert json.loads((tmp_path / "summary.json").read_text())["sft_steps"] == 4
+
+
 def test_a_kl_run_resumes_a_checkpoint_saved_without_a_reference(tmp_path):
   kl = "--config.loss.kl_beta=0.1"
   _run(tmp_path, 0)  # SFT alone: RL iteration 0's checkpoint holds no reference

@@ -28,10 +28,29 @@ def expert_demos(engine: RolloutEngine, tasks: Sequence[Task]) -> list[Trajector
   return [t for t in trajs if t.metadata["success"]]
 
 
+def stop_at_success(success: Callable[[TrainState], float], *, target: float, every: int
+                    ) -> Callable[[int, TrainState], bool]:
+  """A `distill` stop: after every `every`-th update, True once
+  `success(state)` (e.g. greedy success on validation tasks) reaches `target`.
+
+  A fixed step count leaves one seed's policy reading its maps and another's
+  walking one memorised path; stopping on a reached level starts RL from the
+  same competence on every seed.
+  """
+  if every < 1:
+    raise ValueError(f"every = {every} must be >= 1")
+  return lambda i, state: (i + 1) % every == 0 and success(state) >= target
+
+
 def distill(step: SFTStep, state: TrainState, demos: Sequence[Trajectory], *,
             steps: int, batch_size: int, buckets: Sequence[int], seed: int = 0,
-            on_step: Callable[[int, dict], None] | None = None) -> TrainState:
-  """`steps` SFT updates on minibatches drawn (seeded) from the demos."""
+            on_step: Callable[[int, dict], None] | None = None,
+            stop: Callable[[int, TrainState], bool] | None = None) -> TrainState:
+  """Up to `steps` SFT updates on minibatches drawn (seeded) from the demos.
+
+  stop(i, state), called after update i (0-based), ends SFT there when it
+  returns True (e.g. once the policy solves enough validation tasks).
+  """
   if len(demos) < batch_size:
     raise ValueError(f"{len(demos)} successful expert demos < batch size {batch_size} (a "
                      "demo counts when its episode terminated and its last step "
@@ -47,4 +66,6 @@ def distill(step: SFTStep, state: TrainState, demos: Sequence[Trajectory], *,
     state, metrics = step(state, batch)
     if on_step is not None:
       on_step(i, {k: float(v) for k, v in jax.device_get(metrics).items()})
+    if stop is not None and stop(i, state):
+      break
   return state

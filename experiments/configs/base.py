@@ -89,7 +89,12 @@ def get_config():
       # Bit-reproducible runs on a CPU; accelerator configs turn the
       # tool/decode overlap back on (qwen_tpu.py).
       lockstep=True)
-  c.sft = ml_collections.ConfigDict(dict(num_demos=256, steps=150, batch_size=16))
+  # stop_at_success > 0 ends SFT (before `steps`) at the first check, every
+  # check_every steps, where greedy success on check_tasks training-split
+  # tasks after the demos' reaches it: every seed starts RL reading as well.
+  c.sft = ml_collections.ConfigDict(dict(num_demos=256, steps=150, batch_size=16,
+                                         stop_at_success=0.0, check_every=25,
+                                         check_tasks=32))
   c.optim = _section(OptimConfig, learning_rate=1e-3, total_steps=400, b2=0.99)
   # RL fine-tunes the SFT policy with its own, gentler optimiser.
   c.rl_optim = _section(OptimConfig, learning_rate=1e-4, warmup_steps=5, total_steps=200,
@@ -153,6 +158,13 @@ def validate(cfg) -> None:
       ("eval_samples", cfg.eval_samples >= 0, "must be >= 0"),
       ("sft.steps", cfg.sft.steps >= 0, "must be >= 0"),
       ("sft.batch_size", cfg.sft.batch_size >= 1, "must be >= 1"),
+      ("sft.stop_at_success", 0.0 <= cfg.sft.stop_at_success <= 1.0, "must be in [0, 1]"),
+      ("sft.check_every", cfg.sft.check_every >= 1, "must be >= 1"),
+      ("sft.check_tasks", cfg.sft.check_tasks >= 1 and (
+          not cfg.sft.stop_at_success
+          or cfg.sft.num_demos + cfg.sft.check_tasks <= cfg.env.num_train_tasks),
+       f"must be >= 1 and fit after sft.num_demos in env.num_train_tasks "
+       f"({cfg.env.num_train_tasks})"),
       ("sampler.num_slots", cfg.sampler.num_slots >= 1, "must be >= 1"),
       ("mesh.sampler_devices", cfg.mesh.sampler_devices >= 0
        and not (cfg.mesh.sampler_devices and cfg.mesh.multihost),
