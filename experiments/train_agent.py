@@ -166,9 +166,10 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   explicit: the config fields set by flags ("loss.clip_high", ...): a named
   `algorithm` sets its fields except these.
   """
-  kept = []
+  kept, replaced = [], {}
   if cfg.algorithm in presets.PRESETS:  # its defaults first; a bad name: validate
     kept = presets.kept_fields(explicit)
+    replaced = presets.changes(cfg, cfg.algorithm, keep=explicit)
     presets.apply(cfg, cfg.algorithm, keep=explicit)
   config_base.validate(cfg)  # a bad flag fails here, before any work
   if cfg.mesh.multihost:  # before any other JAX call
@@ -177,7 +178,7 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   primary = distributed.is_primary()
   if cfg.algorithm and primary:
-    print(presets.describe(cfg.algorithm, cfg, overridden=kept))
+    print(presets.describe(cfg.algorithm, cfg, overridden=kept, replaced=replaced))
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if primary:

@@ -146,7 +146,13 @@ def test_summary_windows_of_rollout_success_never_overlap():
 def test_a_preset_sets_defaults_and_explicit_flags_win():
   cfg = base.get_config()
   cfg.loss.clip_high, cfg.rl.credit = 0.3, "rloo"
+  # What the preset replaces: the config's own estimator and the base's
+  # token-mean; not the flag's clip, nor clip_low (already the preset's 0.2).
+  replaced = presets.changes(cfg, "grpo", keep={"loss.clip_high", "rollout.max_turns"})
+  assert replaced == {"rl.credit": ("rloo", "grpo"),
+                      "loss.agg": ("token-mean", "seq-mean-token-mean")}
   presets.apply(cfg, "grpo", keep={"loss.clip_high", "rollout.max_turns"})
+  assert presets.changes(cfg, "grpo") == {"loss.clip_high": (0.3, 0.2)}
   assert cfg.loss.clip_high == 0.3  # the flag's
   assert (cfg.rl.credit, cfg.loss.clip_low, cfg.loss.agg) == (
       "grpo", 0.2, "seq-mean-token-mean")  # the preset's
@@ -154,6 +160,9 @@ def test_a_preset_sets_defaults_and_explicit_flags_win():
   assert kept == ["loss.clip_high"]
   assert presets.describe("grpo", cfg, overridden=kept).endswith(
       "overridden by flags: loss.clip_high=0.3")
+  assert presets.describe("grpo", cfg, overridden=kept, replaced=replaced).endswith(
+      "overridden by flags: loss.clip_high=0.3; replaced in the config: rl.credit 'rloo' "
+      "-> 'grpo', loss.agg 'token-mean' -> 'seq-mean-token-mean'")
 
 
 def test_the_command_line_preset_keeps_explicit_flags(tmp_path):
@@ -166,7 +175,8 @@ def test_the_command_line_preset_keeps_explicit_flags(tmp_path):
        "--config.loss.clip_high=0.3", f"--config.model.path={tmp_path}/no_model"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert "no_model has no config.json" in out.stderr
-  assert "overridden by flags: loss.clip_high=0.3" in out.stdout
+  assert "overridden by flags: loss.clip_high=0.3; replaced in the config: " in out.stdout
+  assert "loss.agg 'token-mean' -> 'seq-mean-token-mean'" in out.stdout
   written = json.loads((tmp_path / "config.json").read_text())
   assert written["loss"]["clip_high"] == 0.3
   assert (written["loss"]["clip_low"], written["loss"]["agg"]) == (0.2, "seq-mean-token-mean")

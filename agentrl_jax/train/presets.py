@@ -21,7 +21,8 @@ and not GRPO without the std:
 
 `apply(cfg, name, keep=...)` writes a preset into an experiment config
 (`cfg.rl`, `cfg.loss`) as defaults: fields in `keep` (what the command line
-set) stay as they are; `describe(name)` prints it and what a flag overrode.
+set) stay as they are; `describe(name)` prints it, what a flag overrode and
+(with `changes`) which of the config's own values it replaced.
 Every preset leaves `loss.kl_beta` at the config's 0 (DeepSeekMath's GRPO
 used a KL weight of 0.04; veRL's GRPO examples 0.001; DAPO and Dr.GRPO
 drop the KL term): set it with a flag.
@@ -84,6 +85,17 @@ def kept_fields(keep) -> list[str]:
   return [f for f in FIELDS if f in set(keep)]
 
 
+def changes(cfg, name: str, *, keep=()) -> dict[str, tuple[object, object]]:
+  """What `apply(cfg, name, keep=keep)` would change: {field: (cfg's value,
+  the preset's)}, e.g. a config file's own `rl.credit` the preset replaces."""
+  out = {}
+  for field, value in settings(name, cfg).items():
+    section, leaf = field.split(".")
+    if field not in keep and cfg[section][leaf] != value:
+      out[field] = (cfg[section][leaf], value)
+  return out
+
+
 def apply(cfg, name: str, *, keep=()):
   """Sets credit, aggregation, normaliser, filtering and clipping, except the
   fields named in `keep` (set by flags: an explicit flag wins); returns cfg."""
@@ -94,9 +106,10 @@ def apply(cfg, name: str, *, keep=()):
   return cfg
 
 
-def describe(name: str, cfg=None, overridden=()) -> str:
+def describe(name: str, cfg=None, overridden=(), replaced=None) -> str:
   """One line per setting, e.g. for a notebook cell or a run's log;
-  `overridden`: the fields a flag set instead (shown with cfg's values)."""
+  `overridden`: the fields a flag set instead (shown with cfg's values);
+  `replaced`: `changes`' result, the config's values the preset replaced."""
   p = _get(name)
   c = norm_constant(name, cfg) if cfg is not None else p.norm
   line = (f"{name}: advantages={p.credit}, aggregation={p.agg}, normaliser C={c}, "
@@ -105,4 +118,7 @@ def describe(name: str, cfg=None, overridden=()) -> str:
   if overridden:
     flags = ", ".join(f"{f}={cfg[f.split('.')[0]][f.split('.')[1]]!r}" for f in overridden)
     line += f"; overridden by flags: {flags}"
+  if replaced:
+    line += "; replaced in the config: " + ", ".join(
+        f"{f} {old!r} -> {new!r}" for f, (old, new) in replaced.items())
   return line
