@@ -99,10 +99,9 @@ def changes(cfg, name: str, *, keep=()) -> dict[str, tuple[object, object]]:
 def apply(cfg, name: str, *, keep=()):
   """Sets credit, aggregation, normaliser, filtering and clipping, except the
   fields named in `keep` (set by flags: an explicit flag wins); returns cfg."""
-  for field, value in settings(name, cfg).items():
-    if field not in keep:
-      section, leaf = field.split(".")
-      cfg[section][leaf] = value
+  for field, (_, value) in changes(cfg, name, keep=keep).items():
+    section, leaf = field.split(".")
+    cfg[section][leaf] = value
   return cfg
 
 
