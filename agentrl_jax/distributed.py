@@ -112,14 +112,16 @@ def global_batch(local: TokenBatch, batch_sharding: NamedSharding | None) -> Tok
 
   Each process calls it with its own rows (the same shape everywhere, seq
   ids numbering its own trajectories from 0); they land on its own devices,
-  in process order, with process p's seq ids moved up by p x B / P so that
-  no two processes' sequences share an id (per-sequence loss modes sum by
-  id). With one process the local batch is returned as is (the step places
-  it).
+  in process order, with process p's seq ids moved up by p x B / P x L so
+  that no two processes' sequences share an id (per-sequence loss modes sum
+  by id; a process's ids must be below B / P x L, which holds for ids
+  numbered from 0, one sequence taking at least one token, packed rows
+  included). With one process the local batch is returned as is (the step
+  places it).
   """
   if jax.process_count() == 1:
     return local
-  first_id = jax.process_index() * local.seq_ids.shape[0]
+  first_id = jax.process_index() * local.seq_ids.size
   local = local.replace(seq_ids=np.where(local.seq_ids >= 0, local.seq_ids + first_id, -1))
 
   def put(x):

@@ -406,6 +406,12 @@ class TokenBatch:
     return self.seq_ids >= 0
 
 
+# Every TokenBatch field, with the value `collate` writes on padding.
+_PAD_VALUES = {"tokens": 0, "loss_mask": 0.0, "old_logprobs": 0.0, "advantages": 0.0,
+               "turn_index": -1, "seq_ids": -1, "positions": 0, "returns": 0.0}
+_BATCH_FIELDS = tuple(_PAD_VALUES)
+
+
 def attention_mask(seq_ids: jax.Array) -> jax.Array:
   """Causal mask that never crosses trajectories (packed rows) or padding.
 
@@ -529,6 +535,55 @@ def collate(trajectories: Sequence[Trajectory], *,
       tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
       advantages=np.zeros(shape, np.float32), turn_index=turn_index,
       seq_ids=seq_ids, positions=positions, returns=np.zeros(shape, np.float32))
+
+
+def pack_batch(batch: TokenBatch, row_multiple: int = 1) -> TokenBatch:
+  """The sequences of a collated batch, packed into as few rows as fit.
+
+  Sequence packing for the train step: rows of one short episode each are
+  mostly padding, which the step's forward and backward still compute.
+  Every sequence (a run of one seq id in a row, as `collate` lays them out)
+  moves whole, with all its per-token fields, into rows of the same length
+  L by first-fit decreasing; the views of one sliding-window trajectory
+  (rows sharing a seq id) never share a row. Attention (`attention_mask`)
+  and the per-sequence loss aggregations read `seq_ids`, so the step's loss
+  and gradient are those of the unpacked batch (up to summation order).
+
+  Args:
+    batch: a host TokenBatch [B, L] of numpy arrays.
+    row_multiple: the row count rounds up to a multiple of this (at least
+      one multiple), so the jitted step sees few shapes.
+  Returns:
+    A TokenBatch [B', L], B' a multiple of `row_multiple`, its seq ids
+    renumbered 0..n-1 in their order (so that they stay below B' x L, which
+    `distributed.global_batch` relies on), padding rows as in `collate`.
+  """
+  if row_multiple < 1:
+    raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+  arrays = {f: np.asarray(getattr(batch, f)) for f in _BATCH_FIELDS}
+  ids = arrays["seq_ids"]
+  length = ids.shape[1]
+  segments = []  # (row, start, end) of every run of one seq id >= 0
+  for r in range(ids.shape[0]):
+    cuts = np.flatnonzero(np.diff(ids[r])) + 1
+    for start, end in zip(np.r_[0, cuts], np.r_[cuts, length]):
+      if ids[r, start] >= 0:
+        segments.append((r, int(start), int(end)))
+  owners = [int(ids[r, a]) for r, a, _ in segments]
+  rows = _pack_rows([e - a for _, a, e in segments], length, owners)
+  n_rows = row_multiple * max(1, -(-len(rows) // row_multiple))
+  out = {f: np.full((n_rows, length), _PAD_VALUES[f], a.dtype) for f, a in arrays.items()}
+  for new_row, members in enumerate(rows):
+    at = 0
+    for i in members:
+      r, a, e = segments[i]
+      for f in out:
+        out[f][new_row, at:at + e - a] = arrays[f][r, a:e]
+      at += e - a
+  packed = out["seq_ids"]
+  dense = np.searchsorted(np.unique(owners), packed)  # owners sorted: their order kept
+  out["seq_ids"] = np.where(packed >= 0, dense, -1).astype(np.int32)
+  return TokenBatch(**out)
 
 
 def turn_arrays(trajectories: Sequence[Trajectory], num_turns: int | None = None

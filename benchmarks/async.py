@@ -25,9 +25,7 @@ import argparse
 import json
 import pathlib
 import random
-import shutil
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,7 +34,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from agentrl_jax import envs  # pylint: disable=wrong-import-position
 from agentrl_jax.envs.frozen_lake import FrozenLakeEnv  # pylint: disable=wrong-import-position
 from configs import default  # pylint: disable=wrong-import-position
-import train_agent  # pylint: disable=wrong-import-position
+import from_sft  # pylint: disable=wrong-import-position
 
 
 class SlowFrozenLake(FrozenLakeEnv):
@@ -88,15 +86,7 @@ def main():
   SlowFrozenLake.latency = tuple(float(x) for x in args.latency.split(","))
   envs.register("slow_frozen_lake", SlowFrozenLake)
   arms = [0] + [int(s) for s in args.staleness.split(",")]
-  results = {}
-  with tempfile.TemporaryDirectory() as tmp:
-    tmp = pathlib.Path(tmp)
-    train_agent.run(arm_config(0, 0), tmp / "sft")  # SFT, evaluation, checkpoint 0
-    for s in arms:
-      workdir = tmp / f"staleness_{s}"
-      shutil.copytree(tmp / "sft" / "checkpoints" / "0", workdir / "checkpoints" / "0")
-      train_agent.run(arm_config(args.iterations, s), workdir)
-      results[s] = measure(workdir)
+  results = from_sft.run_arms(arms, arm_config, args.iterations, measure)
   print(f"\n{args.iterations} iterations, {SlowFrozenLake.latency[0]:.2f}-"
         f"{SlowFrozenLake.latency[1]:.2f} s per environment step; per iteration after "
         f"the first:")

@@ -133,6 +133,7 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("loss.is_correction", "is", "loss.is_correction = 'is' must be one of ('none',"),
     ("rl.max_staleness", -1, "rl.max_staleness = -1 must be >= 0"),
     ("rl.top_variance_frac", 0.0, "rl.top_variance_frac = 0.0 must be in (0, 1]"),
+    ("rl.pack_row_multiple", 0, "rl.pack_row_multiple = 0 must be >= 1"),
     ("mesh.sampler_devices", -1, "mesh.sampler_devices = -1 must be >= 0"),
     ("env.name", "chess", "env.name = 'chess' does not load: unknown environment 'chess'"),
 ])
@@ -158,6 +159,10 @@ def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):
      "cannot run with partial rollouts (token_budget)"),
     ({"rl.credit": "branching", "rl.max_staleness": 1, "loss.is_correction": "tis"},
      "it cannot run with max_staleness > 0"),
+    ({"rl.pack": True, "rl.pack_row_multiple": 3, "loss.micro_batches": 2},
+     "pack_row_multiple=3 must divide by loss.micro_batches=2"),
+    ({"rl.pack": True, "rl.pack_row_multiple": 3, "mesh.data": 2},
+     "rl.pack_row_multiple = 3 x mesh.num_processes must divide by mesh data x fsdp = 2"),
 ])
 def test_rules_across_fields_fail_before_any_work(tmp_path, fields, message):
   # RLTrainer applies the same rules, but only once SFT has run.

@@ -119,7 +119,8 @@ def _trainer(rollout_kw, rl_kw, loss_kw=None, value_head=False, env=LookupEnv):
   graphdef, state = train.init_train_state(model, tx, with_reference=False)
   return rl.RLTrainer(
       engine, train.RLStep(graphdef, tx, train.LossConfig(**(loss_kw or {}))), state,
-      rl.RLConfig(group_size=2, tasks_per_iteration=2, buckets=(128,), **rl_kw), seed=0)
+      rl.RLConfig(**{"group_size": 2, "tasks_per_iteration": 2, "buckets": (128,), **rl_kw}),
+      seed=0)
 
 
 def _one_iteration(*args, **kwargs):
@@ -169,6 +170,48 @@ def test_rl_iteration_with_branching_baselines():
   # what that computes).
   assert m["rollout/branch_forked"] == m["rollout/branch_episodes"]
   assert m["train/skipped_updates"] == 0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_packed_iteration_makes_the_unpacked_update_on_fewer_rows(agg):
+  tasks = LookupEnv.tasks("train", 2, 0)
+  trainers, rows, metrics = {}, {}, {}
+  for pack in (False, True):
+    # Rows of 256 hold two or three of the random policy's episodes.
+    trainer = trainers[pack] = _trainer(
+        {}, {"pack": pack, "pack_row_multiple": 1, "buckets": (256,)},
+        {"agg": agg, "ppo_epochs": 2})
+    step, seen = trainer.step, []
+
+    class Spy:
+      def __getattr__(self, name):
+        return getattr(step, name)
+
+      def __call__(self, state, batch, *args):
+        seen.append(batch)
+        return step(state, batch, *args)
+    trainer.step = Spy()
+    metrics[pack] = trainer.iteration(tasks, 1)
+    rows[pack] = seen[0].tokens.shape[0]
+    assert metrics[pack]["train/rows"] == rows[pack]
+  # The same episodes (lockstep, the same seed), in fewer rows.
+  assert metrics[True]["rollout/sampler_fed_tokens"] == metrics[False]["rollout/sampler_fed_tokens"]
+  assert metrics[True]["train/batch_tokens"] == metrics[False]["train/batch_tokens"]
+  assert rows[False] == 4 and rows[True] < rows[False]
+  for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/approx_kl"):
+    np.testing.assert_allclose(metrics[True][key], metrics[False][key], rtol=1e-5, atol=1e-7,
+                               err_msg=key)
+  for a, b in zip(jax.tree.leaves(trainers[True].state.params),
+                  jax.tree.leaves(trainers[False].state.params), strict=True):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_packing_rules():
+  with pytest.raises(ValueError, match="pack_row_multiple"):
+    rl.RLConfig(pack=True, pack_row_multiple=0)
+  with pytest.raises(ValueError, match="micro_batches"):
+    rl.check_sections(rl.RLConfig(pack=True, pack_row_multiple=3),
+                      train.LossConfig(micro_batches=2), 128)
 
 
 class _ShapedEnv(LookupEnv):

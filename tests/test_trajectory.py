@@ -1,5 +1,6 @@
 """Tests for agentrl_jax.trajectory: flatten, steps, collate, packing."""
 
+import dataclasses
 import math
 
 import hypothesis
@@ -9,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentrl_jax import advantages, losses
+from agentrl_jax import advantages, losses, trajectory
 from agentrl_jax.trajectory import (
-    Role, Segment, Step, Trajectory, attention_mask, bucket_length, collate,
-    truncate_to, turn_arrays)
+    Role, Segment, Step, Trajectory, TokenBatch, attention_mask, bucket_length, collate,
+    pack_batch, truncate_to, turn_arrays)
 
 
 def exercise6_traj() -> Trajectory:
@@ -285,6 +286,90 @@ def test_packing_by_hand():
   np.testing.assert_array_equal(batch.positions[1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3])
 
 
+def _painted(batch):
+  """`batch` with advantages and returns that name each token's sequence
+  and position (and padding rows), so a moved token shows where it came from."""
+  real = batch.seq_ids >= 0
+  return batch.replace(
+      advantages=np.where(real, batch.seq_ids * 100.0 + batch.positions, 0).astype(np.float32),
+      returns=np.where(real, -batch.seq_ids - 0.5, 0).astype(np.float32))
+
+
+def test_pack_batch_by_hand():
+  a = Trajectory([Segment(Role.SYSTEM, [1] * 5), Segment(Role.ASSISTANT, [2] * 5, [-1.] * 5)])
+  b = Trajectory([Segment(Role.SYSTEM, [3] * 3), Segment(Role.ASSISTANT, [4] * 3, [-1.] * 3)])
+  c = Trajectory([Segment(Role.SYSTEM, [5] * 2), Segment(Role.ASSISTANT, [6] * 2, [-1.] * 2)])
+  # One per row with a padding row (as the RL trainer collates), lengths
+  # 10, 6, 4 -> rows of 10 by first fit decreasing: [a], [b, c].
+  batch = _painted(collate([a, b, c], buckets=(10,), num_rows=4))
+  packed = pack_batch(batch)
+  np.testing.assert_array_equal(packed.seq_ids, [[0] * 10, [1] * 6 + [2] * 4])
+  np.testing.assert_array_equal(packed.tokens[1], [3, 3, 3, 4, 4, 4, 5, 5, 6, 6])
+  np.testing.assert_array_equal(packed.positions[1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3])
+  np.testing.assert_array_equal(packed.loss_mask[1], [0, 0, 0, 1, 1, 1, 0, 0, 1, 1])
+  np.testing.assert_array_equal(packed.advantages[1], [100, 101, 102, 103, 104, 105,
+                                                       200, 201, 202, 203])
+  np.testing.assert_array_equal(packed.returns[1], [-1.5] * 6 + [-2.5] * 4)
+  # The same rows as collate's own packing of the trajectories.
+  direct = collate([a, b, c], buckets=(10,), pack=True)
+  for name in ("tokens", "loss_mask", "old_logprobs", "turn_index", "seq_ids", "positions"):
+    np.testing.assert_array_equal(getattr(packed, name), getattr(direct, name), err_msg=name)
+  # Rounded up to a multiple of 4 rows, the new ones all padding.
+  four = pack_batch(batch, row_multiple=4)
+  assert four.tokens.shape == (4, 10)
+  np.testing.assert_array_equal(four.seq_ids[2:], -1)
+  np.testing.assert_array_equal(four.turn_index[2:], -1)
+  np.testing.assert_array_equal(four.loss_mask[2:], 0)
+  # A filtered batch (b's row gone) keeps the order of its ids, now dense.
+  kept = jax.tree.map(lambda x: x[[0, 2]], batch)
+  np.testing.assert_array_equal(pack_batch(kept).seq_ids, [[0] * 10, [1] * 4 + [-1] * 6])
+  with pytest.raises(ValueError, match="row_multiple"):
+    pack_batch(batch, row_multiple=0)
+
+
+def test_pack_batch_keeps_the_views_of_a_trajectory_in_separate_rows():
+  small = Trajectory(windowed_traj().segments[:3], 1.0, context_starts=[1])
+  batch = _painted(collate([windowed_traj(), small, exercise6_traj()], buckets=(16,)))
+  assert batch.tokens.shape[0] == 4  # two views of the first, one row each after
+  packed = pack_batch(batch)
+  for ids, positions in zip(packed.seq_ids, packed.positions):
+    starts = ids[(ids >= 0) & (positions == 0)]  # each view starts at position 0
+    assert len(starts) == len(set(starts)), "one view per trajectory per row"
+  assert packed.tokens.shape[0] == 3 < batch.tokens.shape[0]
+  # Every token, with every field, once: the multiset of (id, position,
+  # fields) is unchanged (ids are unchanged here: none was dropped).
+  def tokens_of(b):
+    real = b.seq_ids >= 0
+    cols = [b.seq_ids, b.positions, b.tokens, b.loss_mask, b.old_logprobs, b.advantages,
+            b.turn_index, b.returns]
+    return sorted(zip(*(np.asarray(c)[real].tolist() for c in cols)))
+  assert tokens_of(packed) == tokens_of(batch)
+
+
+@hypothesis.given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.integers(1, 5))
+@hypothesis.settings(max_examples=40, deadline=None)
+def test_pack_batch_moves_whole_sequences_and_matches_collate(seed, n, multiple):
+  rng = np.random.default_rng(seed)
+  trajs = [_random_traj(rng, int(rng.integers(1, 4))) for _ in range(n)]
+  batch = _painted(collate(trajs, buckets=(32, 64)))
+  packed = pack_batch(batch, multiple)
+  direct = collate(trajs, buckets=(32, 64), pack=True)
+  assert packed.tokens.shape[0] % multiple == 0
+  assert packed.tokens.shape[0] - multiple < direct.tokens.shape[0] <= packed.tokens.shape[0]
+  rows = direct.tokens.shape[0]
+  for name in ("tokens", "loss_mask", "old_logprobs", "turn_index", "seq_ids", "positions"):
+    np.testing.assert_array_equal(getattr(packed, name)[:rows], getattr(direct, name),
+                                  err_msg=name)
+  real = packed.seq_ids >= 0
+  np.testing.assert_array_equal(packed.advantages[real],
+                                packed.seq_ids[real] * 100.0 + packed.positions[real])
+  assert not real[rows:].any()
+
+
+def test_pad_values_name_every_batch_field():
+  assert set(trajectory._PAD_VALUES) == {f.name for f in dataclasses.fields(TokenBatch)}
+
+
 def test_attention_mask_never_crosses_trajectories():
   seq_ids = np.array([[0, 0, 1, 1, 1, -1]])
   mask = np.asarray(attention_mask(seq_ids))[0]
@@ -455,9 +540,9 @@ def test_sliding_window_collate_rows_seq_ids_and_painting():
   small = Trajectory(windowed_traj().segments[:3],
                      1.0, context_starts=[1])
   packed = collate([windowed_traj(), small], buckets=(16,), pack=True)
-  for row in packed.seq_ids:
-    starts = np.flatnonzero((row >= 0) & (np.r_[-2, row[:-1]] != row))
-    assert len(starts) == len(set(row[starts])), "one view per trajectory per row"
+  for ids, positions in zip(packed.seq_ids, packed.positions):
+    starts = ids[(ids >= 0) & (positions == 0)]  # each view starts at position 0
+    assert len(starts) == len(set(starts)), "one view per trajectory per row"
   assert packed.tokens.shape[0] == 2
 
 

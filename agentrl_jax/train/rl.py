@@ -65,7 +65,8 @@ from agentrl_jax.train import credit, pipeline
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.train import step as step_lib
 from agentrl_jax.train.step import RLStep
-from agentrl_jax.trajectory import TokenBatch, Trajectory, bucket_length, collate
+from agentrl_jax.trajectory import (TokenBatch, Trajectory, bucket_length, collate,
+                                    pack_batch)
 
 # Rollout metrics that add up over processes, and those whose maximum counts.
 _SUMS = ("rollout/episodes", "rollout/env_steps", "rollout/branch_episodes",
@@ -119,6 +120,13 @@ class RLConfig:
   # this fraction of the iteration's groups (rounded up), those whose
   # outcome rewards spread most (`_keep_most_varied_groups`). 1.0: all.
   top_variance_frac: float = 1.0
+  # Sequence packing (`trajectory.pack_batch`): after credit and filtering,
+  # the episodes share rows of the bucket's length, so the step computes
+  # far less padding; the row count rounds up to a multiple of
+  # pack_row_multiple (few step shapes), and a batch packing would not make
+  # smaller stays as it is. The loss and gradient are the unpacked ones.
+  pack: bool = False
+  pack_row_multiple: int = 8
 
   def __post_init__(self):
     check_fields(self, [
@@ -133,6 +141,7 @@ class RLConfig:
         ("overlong_buffer", self.overlong_buffer >= 0, "must be >= 0"),
         ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
         ("top_variance_frac", 0 < self.top_variance_frac <= 1, "must be in (0, 1]"),
+        ("pack_row_multiple", self.pack_row_multiple >= 1, "must be >= 1"),
     ])
     if self.max_refill_tasks and self.top_variance_frac < 1:
       raise ValueError("max_refill_tasks refills groups to a count that top_variance_frac "
@@ -168,6 +177,9 @@ def check_sections(cfg: RLConfig, loss: step_lib.LossConfig, max_context: int) -
   if cfg.overlong_buffer >= max_context:
     raise ValueError(f"overlong_buffer={cfg.overlong_buffer} must be below the context "
                      f"budget ({max_context} tokens)")
+  if cfg.pack and cfg.pack_row_multiple % loss.micro_batches:
+    raise ValueError(f"pack_row_multiple={cfg.pack_row_multiple} must divide by "
+                     f"loss.micro_batches={loss.micro_batches}: packed rows split into them")
   if cfg.max_staleness and loss.is_correction != "tis":
     raise ValueError(
         "max_staleness > 0 trains on rollouts of older weights: set "
@@ -450,7 +462,12 @@ class RLTrainer:
       metrics["rollout/variance_kept_frac"] = kept / max(len(trajs), 1)
       rows, = distributed.agree_max([int(np.sum(batch.seq_ids.max(axis=1) >= 0))])
       batch = _pad_rows(batch, base * -(-max(int(rows), 1) // base))
+    if cfg.pack:
+      batch = self._packed(batch)
+      most_actions = self._most_in_loss(batch)
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
+    metrics["train/rows"] = float(batch.tokens.shape[0] * jax.process_count())
+    metrics["train/row_length"] = float(batch.tokens.shape[1])
     metrics = self._combine(metrics, len(result.trajectories))
     num_actions = losses.action_bucket(int(most_actions), length)
     t0 = time.perf_counter()
@@ -469,6 +486,17 @@ class RLTrainer:
           "gradient; stopping (lower the learning rate or check the rewards)")
     metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
     return metrics
+
+  def _packed(self, batch: TokenBatch) -> TokenBatch:
+    """`batch` packed (`RLConfig.pack`), in the row count every process
+    agrees on; as it is where packing would not make it smaller."""
+    multiple = self.cfg.pack_row_multiple
+    packed = pack_batch(batch, multiple)
+    rows, = distributed.agree_max([packed.tokens.shape[0]])
+    rows = multiple * -(-int(rows) // multiple)
+    if rows >= batch.tokens.shape[0]:
+      return batch
+    return _pad_rows(packed, rows)
 
   def _most_in_loss(self, batch: TokenBatch) -> int:
     """The most loss tokens in a row of any process's batch."""

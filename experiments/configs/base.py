@@ -182,6 +182,10 @@ def validate(cfg) -> None:
               for what, n in (("rl.tasks_per_iteration x rl.group_size", rows),
                               ("sft.batch_size", cfg.sft.batch_size),
                               ("sampler.num_slots", cfg.sampler.num_slots))]
+    if cfg.rl.pack:
+      rules.append(("rl.pack_row_multiple", (cfg.rl.pack_row_multiple * cfg.mesh.num_processes)
+                    % split == 0, f"x mesh.num_processes must divide by mesh data x fsdp = "
+                    f"{split} when rl.pack"))
   bad += [f"{name} = {_value(cfg, name)!r} {why}" for name, ok, why in rules if not ok]
   if bad:
     raise ConfigError("invalid config: " + "; ".join(bad))
