@@ -27,8 +27,10 @@ A credit scheme registered by name (`credit.register`) is an estimator arm
 too. Environments (`ENVS`): text FrozenLake with the shaped per-turn reward
 (0.1 per cell closer to the goal), gamma 0.9
 (`configs/frozen_lake_turn_credit.py`), text Sokoban with the outcome
-reward alone (`configs/sokoban.py`), and the warehouse tool task, JSON tool
-calls and their results as observations (`configs/tools_example.py`).
+reward alone (`configs/sokoban.py`), 6x6 FrozenLake with the outcome
+reward alone over up to 12 turns (`configs/frozen_lake_6x6.py`), and the
+warehouse tool task, JSON tool calls and their results as observations
+(`configs/tools_example.py`).
 """
 
 import argparse
@@ -48,7 +50,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from agentrl_jax import checkpointing, metrics, train, viewer  # pylint: disable=wrong-import-position
 from agentrl_jax.train import credit, presets, rl  # pylint: disable=wrong-import-position
 from agentrl_jax.trajectory import collate, turn_arrays  # pylint: disable=wrong-import-position
-from configs import frozen_lake_turn_credit, sokoban, tools_example  # pylint: disable=wrong-import-position
+from configs import frozen_lake_6x6, frozen_lake_turn_credit, sokoban, tools_example  # pylint: disable=wrong-import-position,line-too-long
 import train_agent  # pylint: disable=wrong-import-position
 
 BASELINE = "grpo"
@@ -81,7 +83,7 @@ ARMS = {
 ARM_NAMES = tuple(ARMS)
 
 ENVS = {"frozen_lake": frozen_lake_turn_credit.get_config, "sokoban": sokoban.get_config,
-        "tools": tools_example.get_config}
+        "tools": tools_example.get_config, "frozen_lake_6x6": frozen_lake_6x6.get_config}
 
 _TINY = {"iterations": 2, "eval_every": 1, "checkpoint_every": 100,
          "sft.steps": 4, "sft.num_demos": 8, "sft.batch_size": 4,
@@ -102,12 +104,13 @@ SIZES = {
             "sft.steps": 150, "sft.num_demos": 256, "loss.ppo_epochs": 1,
             "rl_optim.learning_rate": 1e-4, "rl_optim.total_steps": 200}),
     },
-    # Sokoban (its rooms take 4+ moves: the turn budget stays the config's)
-    # and the tool task: `full` is the config's own run, 8 seeds (runtime on
-    # this CPU: docs/results.md).
+    # Sokoban (its rooms take 4+ moves: the turn budget stays the config's),
+    # the tool task and 6x6 FrozenLake: `full` is the config's own run, 8
+    # seeds (runtime on this CPU: docs/results.md; 6x6 FrozenLake's is about
+    # 4 minutes of SFT and 8 an arm per seed).
     **{env: {"tiny": dict(seeds=(0,), overrides=_TINY),
              "full": dict(seeds=tuple(range(8)), overrides={"checkpoint_every": 100})}
-       for env in ("sokoban", "tools")},
+       for env in ("sokoban", "tools", "frozen_lake_6x6")},
 }
 
 

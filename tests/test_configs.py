@@ -19,8 +19,8 @@ from agentrl_jax import tools
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 from configs import (base, calculator, default,  # pylint: disable=wrong-import-position
-                     frozen_lake_turn_credit, python_tool, qwen_tpu, search_qa,
-                     sokoban, tools_example)
+                     frozen_lake_6x6, frozen_lake_turn_credit, python_tool, qwen_tpu,
+                     search_qa, sokoban, tools_example)
 import train_agent  # pylint: disable=wrong-import-position
 
 CONFIGS = {
@@ -28,6 +28,7 @@ CONFIGS = {
     "search_qa": search_qa.get_config, "python_tool": python_tool.get_config,
     "tools_example": tools_example.get_config,
     "sokoban:gigpo": lambda: sokoban.get_config("gigpo"),
+    "frozen_lake_6x6:gigpo": lambda: frozen_lake_6x6.get_config("gigpo"),
     **{f"frozen_lake_turn_credit:{s}": (lambda s=s: frozen_lake_turn_credit.get_config(s))
        for s in ("turn_returns", "turn_grpo", "gae", "branching", "gigpo")},
 }

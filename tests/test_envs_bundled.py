@@ -252,6 +252,19 @@ def test_frozen_lake_render_hole_and_shaping_by_hand():
   assert env.step("<move>up</move>").observation == "The episode is over."
 
 
+def test_frozen_lake_neighbours_by_hand():
+  env = FrozenLakeEnv(neighbours=True)
+  obs, _ = env.reset(LAKE)
+  assert obs.endswith("You are at row 1, column 1.\n"
+                      "Next to you: left edge, down F, right F, up edge.")
+  # From (0,1): down is the hole at (1,1), left is S.
+  right = env.step("<move>right</move>")
+  assert right.observation.endswith("Next to you: left S, down H, right F, up edge.")
+  # The expert still reads its position from the line above.
+  assert FrozenLakeEnv.expert(LAKE)(right.observation) == "<move>right</move>"
+  assert "Next to you" not in FrozenLakeEnv().reset(LAKE)[0]
+
+
 def test_frozen_lake_goal_and_unknown_move():
   env = FrozenLakeEnv()
   env.reset(LAKE)

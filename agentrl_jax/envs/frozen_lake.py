@@ -1,7 +1,9 @@
 """FrozenLake as text: gymnasium's FrozenLake with a new map per task.
 
 Each turn the grid is drawn as rows of S F H G with `@` at the agent, plus
-"You are at row r, column c." (1-based, row 1 at the top). The agent answers
+"You are at row r, column c." (1-based, row 1 at the top) and, with
+`neighbours`, "Next to you: left F, down H, right F, up edge." (what each
+move steps onto; at an edge it stays put). The agent answers
 `<move>left|down|right|up</move>`. Dynamics are gymnasium's own (optionally
 slippery), seeded per task so an episode replays exactly.
 
@@ -56,6 +58,9 @@ class FrozenLakeEnv(TextEnvironment):
     is_slippery: gymnasium's slippery dynamics (the intended move happens
       with probability 1/3).
     shaped_reward: "process" reward per unit decrease of the distance to G.
+    neighbours: each observation also names the cell every move steps onto,
+      a line just before the agent's answer: a policy that reads it keeps
+      out of holes without finding `@`'s column in the grid.
   """
 
   system_prompt = (
@@ -67,9 +72,11 @@ class FrozenLakeEnv(TextEnvironment):
   stop_strings = ("</move>",)
 
   def __init__(self, *, is_slippery: bool = False, shaped_reward: float = 0.0,
-               format_penalty: float = 0.0, step_cost: float = 0.0):
+               neighbours: bool = False, format_penalty: float = 0.0,
+               step_cost: float = 0.0):
     super().__init__(format_penalty=format_penalty, step_cost=step_cost)
     self.is_slippery, self.shaped_reward = is_slippery, shaped_reward
+    self.neighbours = neighbours
     self._gym: frozen_lake.FrozenLakeEnv | None = None
 
   @classmethod
@@ -162,4 +169,11 @@ class FrozenLakeEnv(TextEnvironment):
     r, c = self._cell()
     rows = [" ".join("@" if (i, j) == (r, c) else ch for j, ch in enumerate(row))
             for i, row in enumerate(self._desc)]
-    return "\n".join(rows) + f"\nYou are at row {r + 1}, column {c + 1}."
+    text = "\n".join(rows) + f"\nYou are at row {r + 1}, column {c + 1}."
+    if self.neighbours:
+      cells = []
+      for move, word in enumerate(MOVES):
+        nr, nc = _neighbour((r, c), move, len(self._desc))
+        cells.append(f"{word} {'edge' if (nr, nc) == (r, c) else self._desc[nr][nc]}")
+      text += "\nNext to you: " + ", ".join(cells) + "."
+    return text

@@ -3,7 +3,7 @@ how a `<move>...</move>` action is read.
 
 MOVES are in gymnasium's FrozenLake order (action ids 0..3), DELTAS the
 (row, column) step of each; POSITION reads "You are at row r, column c."
-(1-based), the line every grid observation ends with.
+(1-based), the line every grid observation carries.
 """
 
 from __future__ import annotations
