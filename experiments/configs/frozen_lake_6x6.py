@@ -9,11 +9,11 @@ wrong turn into a dead end dooms an episode many turns before it ends.
 Each observation also names what every move steps onto ("Next to you:
 left F, down H, ..."): without that line the tiny model does not learn to
 read a 6x6 grid from 256 demonstrations (held-out greedy 0.27 after SFT,
-docs/results.md session 29); with it, 0.52 (seed 0, session 30), which
-leaves room to RL. GiGPO's anchors are the cells (`FrozenLakeEnv.state_key`).
+docs/results.md session 29); with it, 0.52-0.64 (seeds 0-2, session 30),
+which leaves room to RL. GiGPO's anchors are the cells (`FrozenLakeEnv.state_key`).
 The string after ':' picks the credit scheme (any registered name: grpo,
-turn_returns, gae, gigpo, ...). One run: about 4 minutes of SFT and 8 of
-RL (60 iterations of 4 maps x 8 episodes) on 2 CPU cores.
+turn_returns, gae, gigpo, ...). One run: about 4 minutes of SFT and 8-10
+of RL (60 iterations of 4 maps x 8 episodes) on 2 CPU cores.
 """
 
 import os
