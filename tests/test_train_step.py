@@ -32,6 +32,16 @@ def model():
   return models.Decoder(models.tiny_config("qwen2", vocab_size=64), rngs=nnx.Rngs(0))
 
 
+def _logprobs(model, batch):
+  return np.asarray(losses.token_logprobs(model(batch.tokens, batch.positions, batch.seq_ids),
+                                          batch.tokens))
+
+
+def _exact_sampler(model, batch):
+  """`batch` with the model's own log-probs as the sampler's."""
+  return batch.replace(old_logprobs=np.where(batch.loss_mask > 0, _logprobs(model, batch), 0.0))
+
+
 def _run(model, cfg, batch, tx=None, steps=1):
   tx = tx or optax.sgd(1.0)
   graphdef, state = train.init_train_state(model, tx, with_reference=cfg.kl_beta > 0)
@@ -80,6 +90,32 @@ def test_ppo_epochs_and_loss_decrease(model):
   assert float(metrics["pg_loss"]) < float(m_first["pg_loss"]) - 0.1
 
 
+def test_the_last_ppo_epochs_ratio_metrics(model):
+  # The step's metrics are the first epoch's (ratios 1 with an exact
+  # sampler); the `_last_epoch` ones are the second epoch's, whose ratios
+  # compare the once-updated policy with the sampler: float64 from its
+  # log-probs.
+  batch = _batch(5)
+  exact = _exact_sampler(model, batch)
+  tx = optax.sgd(3.0)
+  _, _, m, _ = _run(model, train.LossConfig(ppo_epochs=2), exact, tx=tx)
+  _, one, m_one, _ = _run(model, train.LossConfig(ppo_epochs=1), exact, tx=tx)
+  assert not any(k.endswith("_last_epoch") for k in m_one)
+  assert float(m["approx_kl"]) < 1e-6 and float(m["clip_frac_upper"]) == 0.0
+  graphdef, _ = nnx.split(model, nnx.Param)
+  moved = nnx.merge(graphdef, one.params)
+  lp1 = _logprobs(moved, batch).astype(np.float64)
+  on = batch.loss_mask > 0
+  log_r = lp1[on] - exact.old_logprobs[on]
+  r, adv = np.exp(log_r), batch.advantages[on]
+  want = {"approx_kl": np.mean(r - 1 - log_r), "ratio_mean": np.mean(r), "ratio_max": r.max(),
+          "clip_frac_upper": np.mean((r > 1.28) & (adv > 0)),
+          "clip_frac_lower": np.mean((r < 0.8) & (adv < 0)), "dual_clip_frac": 0.0}
+  assert want["approx_kl"] > 1e-2 and want["clip_frac_upper"] + want["clip_frac_lower"] > 0.05
+  for k, v in want.items():
+    np.testing.assert_allclose(m[f"{k}_last_epoch"], v, rtol=1e-3, atol=1e-6, err_msg=k)
+
+
 def test_non_finite_updates_are_skipped(model):
   batch = _batch(2)
   bad = batch.replace(advantages=batch.advantages.copy())
@@ -108,9 +144,7 @@ def test_one_non_finite_gradient_element_anywhere_is_seen(bad):
 def test_logprob_gap_and_truncated_importance_sampling(model):
   batch = _batch(3)
   graphdef, params = nnx.split(model, nnx.Param)
-  lp = np.asarray(losses.token_logprobs(model(batch.tokens, batch.positions, batch.seq_ids),
-                                        batch.tokens))
-  exact = batch.replace(old_logprobs=np.where(batch.loss_mask > 0, lp, 0.0))
+  exact = _exact_sampler(model, batch)
   _, _, m, _ = _run(model, train.LossConfig(), exact)
   assert float(m["logprob_gap_mean_abs"]) < 1e-5 and float(m["logprob_gap_kl"]) < 1e-8
   # The policy's entropy on its action tokens, before the update, token mean;
@@ -145,9 +179,7 @@ def test_later_ppo_epochs_keep_the_first_epochs_behaviour_logprobs(model):
   # the sampler exact, TIS (ratios against the trainer's behaviour, weights
   # 1) then takes the same two updates as plain PPO on the sampler's.
   batch = _batch(4)
-  lp = np.asarray(losses.token_logprobs(model(batch.tokens, batch.positions, batch.seq_ids),
-                                        batch.tokens))
-  exact = batch.replace(old_logprobs=np.where(batch.loss_mask > 0, lp, 0.0))
+  exact = _exact_sampler(model, batch)
   tx = optax.sgd(3.0)
   _, plain, _, _ = _run(model, train.LossConfig(ppo_epochs=2), exact, tx=tx)
   _, tis, _, _ = _run(model, train.LossConfig(ppo_epochs=2, is_correction="tis"), exact, tx=tx)

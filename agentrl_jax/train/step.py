@@ -13,7 +13,10 @@ metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
      is non-finite. The first epoch's forward runs before any update, so
      its log-probs are also the trainer's behaviour log-probs: carried to
      later epochs, used by "tis", and compared with the sampler's
-     (`behaviour_forward`: the gap and entropy metrics).
+     (`behaviour_forward`: the gap and entropy metrics). The metrics are
+     the first epoch's; with several, the ratio ones (`approx_kl`, clip
+     fractions, `ratio_*`) of the last epoch come too, as
+     `<name>_last_epoch`: how far the later epochs moved the policy.
 
 Gradient accumulation is exact: the aggregation weights of every token
 (`losses.aggregation_weights`: 1 / action tokens for "token-mean", 1 /
@@ -63,6 +66,9 @@ from agentrl_jax.train.state import TrainState, model_params
 from agentrl_jax.trajectory import TokenBatch
 
 IS_CORRECTIONS = ("none", "tis")
+# The policy-loss metrics that depend on the ratio to the behaviour policy.
+_RATIO_METRICS = ("approx_kl", "clip_frac_upper", "clip_frac_lower", "dual_clip_frac",
+                  "ratio_mean", "ratio_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,8 +461,11 @@ class RLStep:
     (params, opt_state, step, skipped, _), per_epoch = jax.lax.scan(
         epoch, (state.params, state.opt_state, state.step, state.skipped,
                 jnp.zeros_like(rollout)), jnp.arange(cfg.ppo_epochs) == 0)
-    metrics = {}
-    metrics.update({k: v[0] for k, v in per_epoch.items()})  # first epoch: on-policy
+    metrics = {k: v[0] for k, v in per_epoch.items()}  # first epoch: on-policy
+    # Its ratios are 1 up to the sampler's gap; how far the later epochs
+    # moved the policy shows in the last one's.
+    if cfg.ppo_epochs > 1:
+      metrics.update({f"{k}_last_epoch": per_epoch[k][-1] for k in _RATIO_METRICS})
     metrics["skipped_updates"] = jnp.sum(per_epoch["skipped_update"])
     metrics["dropped_actions"] = dropped
     metrics.pop("skipped_update")
