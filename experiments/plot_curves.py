@@ -42,13 +42,16 @@ _X = flags.DEFINE_enum("x", "step", ["step", "time"],
 REPORT = (
     ("held-out success (greedy; T = 1 dashed)", ("eval/success", "eval/success_sampled")),
     ("rollout reward", ("rollout/reward_mean",)),
-    ("rollout success (T = 1)", ("rollout/success_frac",)),
+    ("rollout success (at the sampler's temperature)", ("rollout/success_frac",)),
     ("turns per episode", ("rollout/turns_mean",)),
     ("policy loss", ("train/pg_loss",)),
     ("KL to the reference", ("train/kl",)),
     ("entropy of the policy on its actions", ("train/policy_entropy", "train/entropy")),
-    ("clip fractions", ("train/clip_frac_lower", "train/clip_frac_upper",
-                        "train/dual_clip_frac")),
+    # The first PPO epoch's ratios start at 1; with several epochs the last
+    # one's show how far the update moved the policy.
+    ("clip fractions (first and last PPO epoch)",
+     ("train/clip_frac_lower", "train/clip_frac_upper", "train/dual_clip_frac",
+      "train/clip_frac_lower_last_epoch", "train/clip_frac_upper_last_epoch")),
     ("gradient norm", ("train/grad_norm",)),
     ("sampler vs trainer log-prob gap", ("train/logprob_gap_mean_abs", "train/logprob_gap_kl")),
     ("kept fraction after filtering", ("rollout/kept_frac",)),
@@ -57,7 +60,7 @@ REPORT = (
                                "rollout/env_wait_s", "time/step_s")),
     ("SFT loss", ("sft/sft_loss",)),
 )
-_STYLES = ("-", "--", ":", "-.")
+_STYLES = ("-", "--", ":", "-.", (0, (3, 1, 1, 1, 1, 1)))
 _SMOOTH = 0.8  # EMA weight of the past
 _SEED = re.compile(r"seed\d+$")
 

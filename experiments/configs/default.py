@@ -7,9 +7,9 @@ A 2-layer, d=128 model with the bundled tokenizer, trained from scratch on
 2 CPU cores: SFT on the scripted expert (BFS shortest path) from 64 maps,
 150 steps, which reads maps it has seen and generalises to part of the
 others (room for RL), then GRPO with 8 rollouts per 4x4 map on the outcome
-reward, 8 maps (64 episodes) per iteration, two optimizer steps on each
-batch (PPO epochs) at 2e-4. The agent reads the grid each turn and answers
-with <move>left|down|right|up</move>.
+reward, 8 maps (64 episodes) per iteration sampled at temperature 1.3,
+two optimizer steps on each batch (PPO epochs) at 2e-4. The agent reads
+the grid each turn and answers with <move>left|down|right|up</move>.
 
 It prints held-out success on 128 unseen maps (greedy, and at temperature 1
 with 4 episodes per map) after SFT and after RL. Other seeds:
@@ -39,6 +39,11 @@ def get_config():
   c.sampler.attention_windows = (512,)
   c.rl.buckets = (256, 384, 512)
   c.rl.tasks_per_iteration = 8
+  # Rollouts explore at 1.3; the loss's log-probs (and the held-out T = 1
+  # evaluation) are the policy's at temperature 1, so the update is the
+  # temperature-1 policy's, fed by a flatter sampler (at 1.0 RL sharpened
+  # fewer seeds' greedy policies: docs/results.md, session 31).
+  c.rollout.temperature = 1.3
   # Larger steps than a fine-tune of a real model; at 6e-4 RL fell from
   # these SFT starts (docs/results.md, session 22).
   c.rl_optim.learning_rate = 2e-4
