@@ -47,7 +47,7 @@ class CountdownEnv:
     obs = f"You said {len(action)} chars; {self.left} left{self.suffix}"
     return StepResult(obs, 1.0, self.left <= 0, False,
                       {"tool_call": True, "reward_parts": {"outcome": 1.0},
-                       "state_key": ("left", self.left)})
+                       "state_key": ("left", self.left), "malformed": self.left % 2 == 1})
 
   def close(self):
     pass
@@ -114,6 +114,10 @@ def test_rollout_ids_logprobs_masks_and_isolation(tok, model, sampler):
     by_task[t.metadata["task_id"]].remove(actions)
   m = result.metrics
   assert m["episodes"] == 9 and m["turns_mean"] == 2.0 and m["terminated_frac"] == 1.0
+  # The env calls a step malformed when it leaves an odd count: one step of
+  # a 2- or 3-step episode, none of a 1-step one: 6 of the 18 turns.
+  assert [t.metadata["malformed"] for t in trajs] == [0] * 3 + [1] * 6
+  assert m["malformed_turn_frac"] == pytest.approx(6 / 18)
   assert 0 < m["slot_occupancy"] <= 1.0
 
 

@@ -11,7 +11,9 @@
 - Errors are observations (convention 5): a malformed action, an unknown
   tool, a tool exception or timeout comes back as an observation saying so
   (with the configured format penalty); no exception escapes `step`.
-  `TextEnvironment.step` enforces that for every bundled environment.
+  `TextEnvironment.step` enforces that for every bundled environment. A
+  step that could not parse its action says so with `info["malformed"]`
+  (the rollout's `malformed_turn_frac` counts them).
 - Rewards are composed from named parts (`REWARD_PARTS`), reported in
   `info["reward_parts"]` every step; the step reward is their sum.
 - Terminal means terminal: a step after `terminated` (or `truncated`)

@@ -120,6 +120,7 @@ class StepTally:
   turn_reward_parts: list[dict] = dataclasses.field(default_factory=list)  # per step
   tool_calls: int = 0
   tool_errors: int = 0
+  malformed: int = 0  # steps whose action the environment could not parse
   success: bool | None = None  # the last step's info["success"]
   env_time: float = 0.0  # seconds in its env calls (added by the worker threads)
 
@@ -130,6 +131,7 @@ class StepTally:
     self.turn_reward_parts.append(dict(result.info.get("reward_parts", {})))
     self.tool_calls += bool(result.info.get("tool_call"))
     self.tool_errors += bool(result.info.get("tool_error"))
+    self.malformed += bool(result.info.get("malformed"))
     self.success = result.info.get("success")
 
 
@@ -305,6 +307,7 @@ class Episode:
             "task_id": self.task.task_id, "level": self.task.level,
             "group_id": self.group, "n_turns": len(steps.rewards),
             "tool_calls": steps.tool_calls, "tool_errors": steps.tool_errors,
+            "malformed": steps.malformed,
             "stop_reasons": self.stop_reasons, "policy_versions": self.versions,
             "reward_parts": dict(steps.reward_parts),
             "turn_reward_parts": list(steps.turn_reward_parts),

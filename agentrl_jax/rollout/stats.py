@@ -47,6 +47,8 @@ class RunStats:
         "reward_mean": float(np.mean([t.reward for t in trajs] or [0.0])),
         "tool_calls_per_turn": calls / max(sum(turns), 1),
         "tool_error_rate": sum(t.metadata["tool_errors"] for t in trajs) / max(calls, 1),
+        # Turns whose action the environment answered as malformed (info["malformed"]).
+        "malformed_turn_frac": sum(t.metadata["malformed"] for t in trajs) / max(sum(turns), 1),
         "staleness_mean": float(np.mean(stale)), "staleness_max": float(np.max(stale)),
         **{f"ended/{r}": float(reasons[r]) for r in STOP_REASONS},
         "env_call_p50_s": float(p50), "env_call_p95_s": float(p95),
