@@ -1,10 +1,12 @@
 """Named algorithms are what their papers say (and what the ablation runs);
 the ablation's intervals."""
 
+import itertools
 import json
 import pathlib
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -45,8 +47,8 @@ def test_ablation_arms_change_one_thing_against_grpo():
   grpo = credit_ablation.config("grpo", 0, "tiny")
   loss_fields = ("agg", "norm_constant", "clip_low", "clip_high")
   for env in credit_ablation.ENVS:
-    for name in credit_ablation.ARM_NAMES:
-      cfg = credit_ablation.config(name, 0, "tiny", env)
+    for size, name in itertools.product(credit_ablation.SIZES[env], credit_ablation.ARM_NAMES):
+      cfg = credit_ablation.config(name, 0, size, env)
       base.validate(cfg)
       if env == "sokoban":  # the expert's demos fit the turn budget
         assert cfg.rollout.max_turns >= cfg.env.task_kwargs["min_moves"] + 6
@@ -65,7 +67,7 @@ def test_ablation_arms_change_one_thing_against_grpo():
         assert cfg.algorithm == name and cfg.rl.credit == presets.PRESETS[name].credit
       # What train_agent re-applies (the preset, keeping the arm's fields)
       # changes nothing.
-      again = presets.apply(credit_ablation.config(name, 0, "tiny", env), cfg.algorithm,
+      again = presets.apply(credit_ablation.config(name, 0, size, env), cfg.algorithm,
                             keep=credit_ablation.arm_fields(name))
       assert again.to_dict() == cfg.to_dict()
   assert credit_ablation.config("gae", 0, "tiny").loss.value_coef == 0.5
@@ -75,6 +77,10 @@ def test_ablation_arms_change_one_thing_against_grpo():
   assert credit_ablation.config("turn_grpo", 0, "tiny").rl.credit == "turn_grpo"  # registered
   with pytest.raises(ValueError, match="unknown arm 'nope'"):
     credit_ablation.config("nope", 0, "tiny")
+  misspelt = {"frozen_lake": {"tiny": dict(seeds=(0,), overrides={"loss.ppo_epoch": 1})}}
+  with mock.patch.dict(credit_ablation.SIZES, misspelt), pytest.raises(
+      ValueError, match="frozen_lake tiny: no config field 'loss.ppo_epoch'"):
+    credit_ablation.config("grpo", 0, "tiny")
 
 
 def test_bootstrap_interval_of_the_mean_over_seeds():
