@@ -8,7 +8,8 @@ One line per run, labelled by the workdir's basename; workdirs named
 `seed<k>` are seeds of the run their parent names, drawn as the mean over
 seeds with the range between the lowest and the highest seed shaded.
 Without --keys the run report is drawn (`REPORT`: the panels to check first
-when a run goes wrong); --keys=all draws every logged key, one panel each.
+when a run goes wrong); --keys=all draws every logged key, one panel each;
+a key no run logged is an error.
 Per-iteration metrics are smoothed (an exponential moving average) over
 their raw values drawn faint; evaluations are drawn as measured. The
 training script calls `report` itself to leave `<workdir>/curves.png`.
@@ -174,10 +175,12 @@ def main(argv: Sequence[str]) -> None:
   if _KEYS.value is None:
     panels = report_panels(runs)
   else:
-    keys = _KEYS.value
-    if keys == ["all"]:
-      keys = sorted({k for seeds in runs.values() for records in seeds for r in records
-                     for k in r} - {"step", "time"})
+    logged = {k for seeds in runs.values() for records in seeds for r in records
+              for k in r} - {"step", "time"}
+    keys = sorted(logged) if _KEYS.value == ["all"] else _KEYS.value
+    missing = [k for k in keys if k not in logged]
+    if missing:  # a misspelt key would otherwise drop its panel without a word
+      raise app.UsageError(f"no run logged {missing}; the runs logged: {sorted(logged)}")
     panels = [(k, (k,)) for k in keys]
   plot(runs, panels, _OUT.value, x=_X.value)
   print(f"wrote {_OUT.value}")

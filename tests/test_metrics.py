@@ -171,3 +171,9 @@ def test_plot_curves_cli(tmp_path):
          f"--workdirs={tmp_path / 'a'},{tmp_path / 'b'}", f"--out={out}", *keys],
         check=True, capture_output=True, timeout=120)
     assert out.stat().st_size > 1000
+  typo = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "plot_curves.py"), f"--workdirs={tmp_path / 'a'}",
+       f"--out={tmp_path / 'typo.png'}", "--keys=rollout/reward_mean,rollout/reward_maen"],
+      capture_output=True, text=True, timeout=120)
+  assert typo.returncode != 0 and not (tmp_path / "typo.png").exists()
+  assert "no run logged ['rollout/reward_maen']" in typo.stderr
