@@ -128,13 +128,18 @@ def _draw(ax, runs: dict[str, list[list[dict]]], keys: Sequence[str], x: str) ->
   return drawn
 
 
+def _logged(runs: dict[str, list[list[dict]]]) -> set[str]:
+  """Every key any record of any run holds."""
+  return {k for seeds in runs.values() for records in seeds for r in records for k in r}
+
+
 def plot(runs: dict[str, list[list[dict]]], panels: Sequence[tuple[str, Sequence[str]]],
          out_path: str, x: str = "step") -> None:
   """Draws `panels` ((title, keys) each) for every run (label -> its seeds'
   records); a panel no run logged is left out."""
   if x not in ("step", "time"):
     raise ValueError(f"x must be 'step' or 'time', not {x!r}")
-  logged = {k for seeds in runs.values() for records in seeds for r in records for k in r}
+  logged = _logged(runs)
   panels = [(t, keys) for t, keys in panels if set(keys) & logged]
   if not panels:
     raise ValueError("none of the requested metrics were logged")
@@ -156,7 +161,7 @@ def plot(runs: dict[str, list[list[dict]]], panels: Sequence[tuple[str, Sequence
 def report_panels(runs: dict[str, list[list[dict]]]) -> list[tuple[str, tuple[str, ...]]]:
   """`REPORT`, with held-out pass@k next to avg@k (T = 1) after the first
   panel where a run logged `eval/pass_at_<k>` (k = its eval_samples)."""
-  logged = {k for seeds in runs.values() for records in seeds for r in records for k in r}
+  logged = _logged(runs)
   pass_keys = tuple(sorted(k for k in logged if k.startswith("eval/pass_at_")))
   if not pass_keys:
     return list(REPORT)
@@ -175,8 +180,7 @@ def main(argv: Sequence[str]) -> None:
   if _KEYS.value is None:
     panels = report_panels(runs)
   else:
-    logged = {k for seeds in runs.values() for records in seeds for r in records
-              for k in r} - {"step", "time"}
+    logged = _logged(runs) - {"step", "time"}
     keys = sorted(logged) if _KEYS.value == ["all"] else _KEYS.value
     missing = [k for k in keys if k not in logged]
     if missing:  # a misspelt key would otherwise drop its panel without a word
