@@ -45,6 +45,8 @@ REPORT = (
     ("rollout reward", ("rollout/reward_mean",)),
     ("rollout success (at the sampler's temperature)", ("rollout/success_frac",)),
     ("turns per episode", ("rollout/turns_mean",)),
+    # Hot samplers and young policies write unparseable actions; each costs a turn.
+    ("malformed actions (fraction of turns)", ("rollout/malformed_turn_frac",)),
     ("policy loss", ("train/pg_loss",)),
     ("KL to the reference", ("train/kl",)),
     ("entropy of the policy on its actions", ("train/policy_entropy", "train/entropy")),

@@ -150,6 +150,9 @@ def test_seeds_of_a_run_are_averaged_over_the_steps_they_share(tmp_path):
   np.testing.assert_array_equal(high, [2, 3, 4])
   out = tmp_path / "report.png"
   plot_curves.report(runs, str(out))
+  # The report's panels name the keys a failing run is read by.
+  keys = {k for _, ks in plot_curves.report_panels(runs) for k in ks}
+  assert {"rollout/success_frac", "rollout/malformed_turn_frac", "train/grad_norm"} <= keys
   assert out.stat().st_size > 1000
   # Two workdirs of one basename that are not seeds stay apart, by path.
   dirs = [str(tmp_path / d / "run") for d in ("x", "y")]
