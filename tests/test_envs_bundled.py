@@ -1,5 +1,8 @@
 """Tests for the bundled environments: SearchQA, Calculator, FrozenLake, Sokoban."""
 
+import collections
+import dataclasses
+
 import pytest
 
 from agentrl_jax import envs
@@ -7,6 +10,7 @@ from conftest import assert_stays_over
 
 from agentrl_jax.envs.base import REWARD_PARTS, Task
 from agentrl_jax.envs.calculator import CalcError, CalculatorEnv, format_number, safe_eval
+from agentrl_jax.envs import frozen_lake
 from agentrl_jax.envs.frozen_lake import FrozenLakeEnv
 from agentrl_jax.envs.search_qa import SearchQAEnv, exact_match, normalize_answer
 from agentrl_jax.envs.sokoban import SokobanEnv
@@ -54,7 +58,7 @@ def test_train_test_disjoint(cls):
 @pytest.mark.parametrize("cls", ENVS)
 def test_expert_solves_test_tasks(cls):
   for task in cls.tasks("test", 20, 0):
-    expert, actions = cls.expert(task), []
+    expert, actions = cls().expert(task), []
 
     def policy(obs, expert=expert, actions=actions):
       actions.append(expert(obs))
@@ -69,7 +73,7 @@ def test_expert_solves_test_tasks(cls):
 @pytest.mark.parametrize("cls", ENVS)
 def test_terminal_means_terminal(cls):
   task = cls.tasks("test", 1, 0)[0]
-  env, expert, actions = cls(step_cost=0.1), cls.expert(task), []
+  env, expert, actions = cls(step_cost=0.1), cls().expert(task), []
   _, results = rollout(env, task, lambda obs: actions.append(expert(obs)) or actions[-1])
   assert results[-1].terminated and results[-1].info["reward_parts"]["outcome"] == 1.0
   # The winning action again (it paid the outcome once), then anything.
@@ -105,8 +109,8 @@ def test_unknown_tool_named(cls):
 @pytest.mark.parametrize("cls", ENVS)
 def test_isolation_interleaved_and_reset(cls):
   t1, t2 = cls.tasks("test", 2, 3)
-  solo = [rollout(cls(), t, cls.expert(t))[0] for t in (t1, t2)]
-  envs, experts = (cls(), cls()), (cls.expert(t1), cls.expert(t2))
+  solo = [rollout(cls(), t, cls().expert(t))[0] for t in (t1, t2)]
+  envs, experts = (cls(), cls()), (cls().expert(t1), cls().expert(t2))
   obs = [envs[0].reset(t1)[0], envs[1].reset(t2)[0]]
   seen, done = [[obs[0]], [obs[1]]], [False, False]
   while not all(done):
@@ -118,8 +122,8 @@ def test_isolation_interleaved_and_reset(cls):
   assert seen == solo
   # Reusing one instance for a second episode behaves like a fresh one.
   env = cls()
-  rollout(env, t1, cls.expert(t1))
-  assert rollout(env, t2, cls.expert(t2))[0] == solo[1]
+  rollout(env, t1, cls().expert(t1))
+  assert rollout(env, t2, cls().expert(t2))[0] == solo[1]
 
 
 # ---------------------------------------------------------------- SearchQA
@@ -261,8 +265,31 @@ def test_frozen_lake_neighbours_by_hand():
   right = env.step("<move>right</move>")
   assert right.observation.endswith("Next to you: left S, down H, right F, up edge.")
   # The expert still reads its position from the line above.
-  assert FrozenLakeEnv.expert(LAKE)(right.observation) == "<move>right</move>"
+  assert FrozenLakeEnv().expert(LAKE)(right.observation) == "<move>right</move>"
   assert "Next to you" not in FrozenLakeEnv().reset(LAKE)[0]
+
+
+def test_frozen_lake_expert_ties():
+  # From S both down, to (1,0), and right, to (0,1), leave 5 moves to G.
+  start = FrozenLakeEnv().reset(LAKE)[0]
+  assert FrozenLakeEnv().expert(LAKE)(start) == "<move>down</move>"  # "first": in MOVES order
+  env, firsts = FrozenLakeEnv(expert_ties="random"), collections.Counter()
+  for seed in range(40):
+    task = dataclasses.replace(LAKE, data={**LAKE.data, "env_seed": seed})
+    firsts[env.expert(task)(start)] += 1
+    _, results = rollout(env, task, env.expert(task))
+    assert results[-1].info["reward_parts"]["outcome"] == 1.0 and len(results) == 6
+    # Seeded by the map: the same task, the same demonstration.
+    assert rollout(env, task, env.expert(task))[0] == rollout(env, task, env.expert(task))[0]
+  assert firsts.keys() == {"<move>down</move>", "<move>right</move>"}
+  assert min(firsts.values()) >= 10
+  for task in FrozenLakeEnv.tasks("test", 20, 0):  # a shortest path on every map
+    _, results = rollout(env, task, env.expert(task))
+    assert results[-1].info["reward_parts"]["outcome"] == 1.0
+    shortest = frozen_lake._distances(task.data["desc"])[(0, 0)]  # pylint: disable=protected-access
+    assert len(results) == shortest
+  with pytest.raises(ValueError, match="expert_ties"):
+    FrozenLakeEnv(expert_ties="last")
 
 
 def test_frozen_lake_goal_and_unknown_move():
@@ -311,9 +338,9 @@ def test_frozen_lake_slippery_expert_sometimes_succeeds_and_is_seeded():
   tasks = FrozenLakeEnv.tasks("test", 30, 0)
   outcomes = []
   for task in tasks:
-    _, results = rollout(FrozenLakeEnv(is_slippery=True), task, FrozenLakeEnv.expert(task), 100)
+    _, results = rollout(FrozenLakeEnv(is_slippery=True), task, FrozenLakeEnv().expert(task), 100)
     outcomes.append(results[-1].info["reward_parts"]["outcome"])
   assert 0 < sum(outcomes) < len(tasks)  # slipping makes some episodes fail
   replay = [rollout(FrozenLakeEnv(is_slippery=True), tasks[0],
-                    FrozenLakeEnv.expert(tasks[0]), 100)[0] for _ in range(2)]
+                    FrozenLakeEnv().expert(tasks[0]), 100)[0] for _ in range(2)]
   assert replay[0] == replay[1]

@@ -25,6 +25,7 @@ from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split
 from agentrl_jax.envs.grid import DELTAS, MOVES, POSITION, read_move
 
 SPLITS = ("train", "test")
+EXPERT_TIES = ("first", "random")
 _PROMPT = "Walk from S to G across the frozen lake without falling into a hole (H)."
 
 
@@ -61,6 +62,10 @@ class FrozenLakeEnv(TextEnvironment):
     neighbours: each observation also names the cell every move steps onto,
       a line just before the agent's answer: a policy that reads it keeps
       out of holes without finding `@`'s column in the grid.
+    expert_ties: which of several shortest-path moves the expert takes:
+      "first" (in the order left, down, right, up) or "random" (uniformly,
+      seeded by the map): demonstrations that do not always say "down"
+      where down is one of the shortest moves.
   """
 
   system_prompt = (
@@ -72,11 +77,13 @@ class FrozenLakeEnv(TextEnvironment):
   stop_strings = ("</move>",)
 
   def __init__(self, *, is_slippery: bool = False, shaped_reward: float = 0.0,
-               neighbours: bool = False, format_penalty: float = 0.0,
-               step_cost: float = 0.0):
+               neighbours: bool = False, expert_ties: str = "first",
+               format_penalty: float = 0.0, step_cost: float = 0.0):
     super().__init__(format_penalty=format_penalty, step_cost=step_cost)
+    if expert_ties not in EXPERT_TIES:
+      raise ValueError(f"expert_ties must be one of {EXPERT_TIES}, got {expert_ties!r}")
     self.is_slippery, self.shaped_reward = is_slippery, shaped_reward
-    self.neighbours = neighbours
+    self.neighbours, self.expert_ties = neighbours, expert_ties
     self._gym: frozen_lake.FrozenLakeEnv | None = None
 
   @classmethod
@@ -103,18 +110,21 @@ class FrozenLakeEnv(TextEnvironment):
       raise ValueError(f"found only {len(out)} of {n} distinct {split} maps for sizes {sizes}")
     return out
 
-  @classmethod
-  def expert(cls, task: Task) -> Expert:
+  def expert(self, task: Task) -> Expert:
     """Takes a shortest-path move from the position in each observation
-    (re-planning every turn, so it copes with slipping)."""
+    (re-planning every turn, so it copes with slipping); among several, the
+    one `expert_ties` picks."""
     desc = task.data["desc"]
     dist = _distances(desc)
+    rng = random.Random(task.data["env_seed"]) if self.expert_ties == "random" else None
 
     def policy(observation: str) -> str:
       r, c = map(int, POSITION.findall(observation)[-1])
       here = (r - 1, c - 1)
-      move = min(range(len(MOVES)),
-                 key=lambda m: dist.get(_neighbour(here, m, len(desc)), len(desc) ** 2))
+      remaining = [dist.get(_neighbour(here, m, len(desc)), len(desc) ** 2)
+                   for m in range(len(MOVES))]
+      best = [m for m, d in enumerate(remaining) if d == min(remaining)]
+      move = rng.choice(best) if rng is not None else best[0]
       return f"<move>{MOVES[move]}</move>"
 
     return policy
