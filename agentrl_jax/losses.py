@@ -99,7 +99,7 @@ def most_actions(loss_mask) -> int:
 
 def head_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array,
                   targets: jax.Array, *, chunk: int = 1024, entropy: bool = False,
-                  accuracy: bool = False) -> dict[str, jax.Array]:
+                  accuracy: bool = False, temperature: float = 1.0) -> dict[str, jax.Array]:
   """log p(target), and optionally the entropy and argmax hit, from hidden states.
 
   The vocabulary-sized logits exist `chunk` positions at a time, in float32,
@@ -114,9 +114,10 @@ def head_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array,
       `targets`.
     targets: [...] int token ids.
     chunk: positions per chunk.
+    temperature: the policy is softmax(logits / temperature).
   Returns:
     {"logprobs": [...] float32, plus "entropy" and "accuracy" (1.0 where
-    the argmax is the target) when asked}.
+    the argmax is the target) when asked}, of that policy.
   """
   chex.assert_equal_shape_prefix([hidden, targets], targets.ndim)
   shape, width = targets.shape, hidden.shape[-1]
@@ -130,6 +131,8 @@ def head_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array,
   def one(args):
     h_chunk, t_chunk = args
     logits = head(h_chunk).astype(jnp.float32)
+    if temperature != 1.0:
+      logits = logits / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, t_chunk[:, None], axis=-1)[:, 0]
     out = {"logprobs": target - lse}

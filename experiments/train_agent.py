@@ -129,7 +129,7 @@ def build(cfg, mesh=None):
                     max_decode_length=cfg.rollout.max_action_tokens,
                     length_buckets=tuple(cfg.sampler.length_buckets),
                     attention_windows=tuple(cfg.sampler.attention_windows) or None,
-                    mesh=mesh)
+                    mesh=mesh, policy_temperature=cfg.loss.temperature)
   engine = RolloutEngine(
       lambda: make_env(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format),
       sampler, RolloutConfig(**cfg.rollout), seed=cfg.seed)

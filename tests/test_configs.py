@@ -132,6 +132,7 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("loss.agg", "mean", "loss.agg = 'mean' must be one of ('token-mean',"),
     ("loss.kl_kind", "k4", "loss.kl_kind = 'k4' must be one of ('k1',"),
     ("loss.is_correction", "is", "loss.is_correction = 'is' must be one of ('none',"),
+    ("loss.temperature", 0.0, "loss.temperature = 0.0 must be > 0"),
     ("rl.max_staleness", -1, "rl.max_staleness = -1 must be >= 0"),
     ("rl.top_variance_frac", 0.0, "rl.top_variance_frac = 0.0 must be in (0, 1]"),
     ("rl.pack_row_multiple", 0, "rl.pack_row_multiple = 0 must be >= 1"),

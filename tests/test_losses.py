@@ -365,6 +365,20 @@ def test_head_logprobs_equal_the_full_logits_and_their_gradients(chunk):
     np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6)
 
 
+def test_head_logprobs_at_a_temperature_against_float64():
+  rng = np.random.default_rng(1)
+  hidden, w = rng.normal(size=(4, 8)), rng.normal(size=(8, 50))
+  targets = rng.integers(0, 50, size=4)
+  out = losses.head_logprobs(lambda h: h @ jnp.asarray(w, jnp.float32),
+                             jnp.asarray(hidden, jnp.float32), jnp.asarray(targets),
+                             chunk=3, entropy=True, temperature=1.7)
+  z = hidden @ w / 1.7
+  logp = z - z.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  np.testing.assert_allclose(out["logprobs"], logp[np.arange(4), targets], rtol=1e-5)
+  np.testing.assert_allclose(out["entropy"], -(np.exp(logp) * logp).sum(-1), rtol=1e-5)
+
+
 def test_head_logprobs_never_holds_more_than_a_chunk_of_logits():
   # The gradient's temporaries grow with the chunk, not with the positions:
   # 2048 or 8192 positions over a 32k vocabulary (256 / 1024 MiB of float32

@@ -106,12 +106,13 @@ def test_curriculum_pool():
     rl.curriculum_pool(tasks, ((0, (2,)),), 0)
 
 
-def _trainer(rollout_kw, rl_kw, loss_kw=None, value_head=False, env=LookupEnv):
+def _trainer(rollout_kw, rl_kw, loss_kw=None, value_head=False, env=LookupEnv,
+             policy_temperature=1.0):
   """An RL trainer of a random tiny policy on 2 tasks x 2 rollouts."""
   model = models.Decoder(models.tiny_config("llama", value_head=value_head),
                          rngs=nnx.Rngs(0))
   sampler = Sampler(model, num_slots=16, cache_length=128, max_decode_length=8,
-                    length_buckets=(16, 64))
+                    length_buckets=(16, 64), policy_temperature=policy_temperature)
   engine = RolloutEngine(env, T.load_tokenizer(), T.CHATML, sampler,
                          RolloutConfig(max_turns=3, max_action_tokens=8, lockstep=True,
                                        **rollout_kw))
@@ -370,6 +371,26 @@ def test_observation_tokens_in_the_loss_start_no_turn():
   first = np.zeros(12)
   first[np.asarray(acts.index)[0][np.asarray(acts.first)[0] > 0]] = 1
   np.testing.assert_array_equal(first, [0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0])
+
+
+def test_a_loss_at_the_sampling_temperature_starts_its_ratios_at_one():
+  tasks = LookupEnv.tasks("train", 2, 0)
+  # Sampled at 2 (the same episodes: same weights, same seed). A loss at
+  # temperature 1 reads the sampler's temperature-1 log-probs; one at 2
+  # trains the distribution sampled from, the sampler reporting its
+  # log-probs. Either way the trainer's forward agrees with the sampler.
+  batches = []
+  for temperature in (1.0, 2.0):
+    trainer = _trainer({"temperature": 2.0}, {}, {"temperature": temperature},
+                       policy_temperature=temperature)
+    m = trainer.iteration(tasks, 1, record=True)
+    assert m["train/logprob_gap_max_abs"] < 1e-3 and m["train/skipped_updates"] == 0
+    batches.append(trainer.recorded.batch)
+  np.testing.assert_array_equal(batches[0].tokens, batches[1].tokens)
+  on = batches[0].loss_mask > 0
+  assert np.abs(batches[0].old_logprobs[on] - batches[1].old_logprobs[on]).mean() > 0.05
+  with pytest.raises(ValueError, match="policy_temperature=2.0"):
+    _trainer({}, {}, {"temperature": 2.0})
 
 
 def test_observation_loss_trains_on_observations_with_the_trainers_old_logprobs():

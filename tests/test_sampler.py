@@ -335,6 +335,23 @@ def test_draw_follows_the_distribution_and_never_draws_a_zero():
   np.testing.assert_allclose(freq, probs, atol=0.012)  # > 4 standard errors
 
 
+def test_raw_logprobs_are_the_trainers_policy_at_its_temperature():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(3, 50))
+  params = SamplingParams.make(3).replace(temperature=jnp.asarray([1.0, 1.5, 0.0]))
+  tokens, raw, sampled = jax.jit(sample, static_argnums=3)(
+      jax.random.key(3), jnp.asarray(logits, jnp.float32), params, 1.5)
+  z = logits / 1.5
+  want = z - np.log(np.exp(z).sum(-1, keepdims=True))  # float64
+  np.testing.assert_allclose(raw, want[np.arange(3), np.asarray(tokens)], rtol=1e-5)
+  # The row sampled at the policy's temperature: the loss is on-policy there.
+  np.testing.assert_allclose(raw[1], sampled[1], rtol=1e-6)
+  assert int(tokens[2]) == int(np.argmax(logits[2]))  # greedy rows unchanged
+  with pytest.raises(ValueError, match="policy_temperature"):
+    Sampler(models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0)), num_slots=1,
+            cache_length=16, policy_temperature=0.0)
+
+
 def test_sampled_logprobs_skip_the_second_normaliser_only_when_all_rows_are_raw():
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32)

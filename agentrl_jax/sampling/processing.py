@@ -82,18 +82,20 @@ def draw(u: jax.Array, logp: jax.Array) -> jax.Array:
   return (block * _BLOCK + pick(jnp.cumsum(within, axis=-1), u[:, 1])).astype(jnp.int32)
 
 
-def sample(rng: jax.Array, logits: jax.Array, params: SamplingParams
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sample(rng: jax.Array, logits: jax.Array, params: SamplingParams,
+           policy_temperature: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Draws one token per row.
 
   Args:
     rng: a PRNG key.
     logits: [B, V] next-token logits (any float dtype).
     params: per-row controls.
+    policy_temperature: the temperature of the policy the trainer trains
+      (`LossConfig.temperature`), whatever each row samples at.
   Returns:
     (tokens [B] int32,
-     raw_logprobs [B]: log pi(token) under the policy itself (temperature 1,
-       no filtering): what `losses.token_logprobs` recomputes in training,
+     raw_logprobs [B]: log pi(token) under the trainer's policy (logits /
+       policy_temperature, no filtering): what the train step recomputes,
      sampled_logprobs [B]: log-prob under the distribution actually sampled
        from (after temperature and top-k/top-p); 0 for greedy rows).
   """
@@ -102,6 +104,8 @@ def sample(rng: jax.Array, logits: jax.Array, params: SamplingParams
   greedy = params.temperature <= 0
   filters = (params.top_k > 0) | (params.top_p < 1.0)
   raw_logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  policy_logp = raw_logp if policy_temperature == 1.0 else jax.nn.log_softmax(
+      logits / policy_temperature, axis=-1)
   u = jax.random.uniform(rng, (b, 2))
 
   def draw_from(logp):
@@ -125,5 +129,5 @@ def sample(rng: jax.Array, logits: jax.Array, params: SamplingParams
   best = jax.lax.cond(jnp.any(greedy), lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
                       lambda: jnp.zeros(b, jnp.int32))
   tokens = jnp.where(greedy, best, drawn)
-  raw = jnp.take_along_axis(raw_logp, tokens[:, None], axis=-1)[:, 0]
+  raw = jnp.take_along_axis(policy_logp, tokens[:, None], axis=-1)[:, 0]
   return tokens, raw, jnp.where(greedy, 0.0, sampled)

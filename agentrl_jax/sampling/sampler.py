@@ -33,8 +33,9 @@ new tokens (branching, `RolloutEngine.branch`). A snapshot keeps the
 smallest attention window that holds the slot's tokens.
 
 Log-probs: `decode` reports, per sampled token, `raw_logprobs` (the policy
-itself at temperature 1, no filtering: what `losses.token_logprobs`
-recomputes in the trainer, and what the trainer uses as old log-probs) and
+the trainer trains: logits / `policy_temperature`, 1 by default, no
+filtering; what the train step recomputes, and what it uses as old
+log-probs) and
 `sampled_logprobs` (under the temperature/top-k/top-p distribution the token
 was actually drawn from).
 
@@ -96,7 +97,7 @@ class Action:
   """What one slot generated in one `decode` call."""
 
   tokens: list[int]  # including the token that completed a stop
-  raw_logprobs: list[float]  # log pi(token), temperature 1: the trainer's
+  raw_logprobs: list[float]  # log pi(token) at policy_temperature: the trainer's
   sampled_logprobs: list[float]  # under the distribution sampled from
   stop_reason: int  # STOP_SEQUENCE, STOP_BUDGET or STOP_CACHE_FULL
 
@@ -111,6 +112,8 @@ class Sampler:
   max_stop_states, max_stop_classes: the stop automaton's fixed table shape
     (8 tool tags over the 151,665-token Qwen2.5 vocabulary: 62 states and
     124 classes).
+  policy_temperature: the temperature of the policy `raw_logprobs` are
+    reported under: the train step's (`LossConfig.temperature`).
   """
 
   def __init__(self, model: Decoder, *, num_slots: int, cache_length: int,
@@ -118,7 +121,10 @@ class Sampler:
                length_buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024),
                max_stop_states: int = 128, max_stop_classes: int = 256,
                attention_windows: Sequence[int] | None = None,
-               mesh: jax.sharding.Mesh | None = None):
+               mesh: jax.sharding.Mesh | None = None, policy_temperature: float = 1.0):
+    if not policy_temperature > 0:
+      raise ValueError(f"policy_temperature must be > 0, got {policy_temperature}")
+    self.policy_temperature = float(policy_temperature)
     self.cfg = model.cfg
     self.graphdef, params = nnx.split(model)
     params = compute_params(params, self.cfg.dtype)  # the sampler's own copy
@@ -435,7 +441,7 @@ class Sampler:
     def body(carry):
       step, sub, out, live, stop_state = carry
       rng, key = jax.random.split(sub.rng)
-      token, raw, sampled = sample(key, sub.next_logits, sampling)
+      token, raw, sampled = sample(key, sub.next_logits, sampling, self.policy_temperature)
       # Every live row has generated exactly `step` tokens so far.
       out = out.replace(
           tokens=out.tokens.at[:, step].set(jnp.where(live, token, 0)),

@@ -325,6 +325,13 @@ class RLTrainer:
       raise ValueError("max_refill_tasks (dynamic sampling) runs in one process only: the "
                        "processes would have to agree on every refill round")
     check_sections(cfg, step.cfg, engine.max_context)
+    if engine.sampler.policy_temperature != step.cfg.temperature:
+      # Else every ratio starts away from 1 by the two temperatures' gap.
+      raise ValueError(
+          f"the sampler reports log-probs at policy_temperature="
+          f"{engine.sampler.policy_temperature}, the loss trains the policy at "
+          f"temperature={step.cfg.temperature}: build the Sampler with "
+          f"policy_temperature={step.cfg.temperature}")
     if cfg.max_staleness and jax.process_count() > 1:
       raise ValueError("max_staleness > 0 runs in one process only")
     self._worker = pipeline.RolloutWorker() if cfg.max_staleness else None
@@ -342,7 +349,8 @@ class RLTrainer:
 
   def _logprobs_impl(self, params, batch, num_actions):
     return step_lib.action_logprobs(self.step.graphdef, params, batch, num_actions,
-                                    chunk=self.step.cfg.head_chunk)
+                                    chunk=self.step.cfg.head_chunk,
+                                    temperature=self.step.cfg.temperature)
 
   def iteration(self, tasks: Sequence[Task], it: int,
                 refill: Callable[[int], Sequence[Task]] | None = None,

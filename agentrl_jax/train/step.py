@@ -90,6 +90,13 @@ class LossConfig:
   # forward ("tis" reads that forward's log-probs either way).
   behaviour_forward: bool = True
   head_chunk: int = 1024  # positions whose [., V] logits exist at once
+  # The policy the loss trains is softmax(logits / temperature), in the
+  # policy and reference forwards and the entropy. Set to the rollouts'
+  # sampling temperature (with the sampler's `policy_temperature` equal),
+  # the update is that of the distribution the rollouts were drawn from, as
+  # veRL and TRL do; 1.0 trains the temperature-1 policy on whatever the
+  # sampler drew, off-policy when it samples at another temperature.
+  temperature: float = 1.0
 
   def __post_init__(self):
     check_fields(self, [
@@ -101,6 +108,7 @@ class LossConfig:
         ("head_chunk", self.head_chunk >= 1, "must be >= 1"),
         ("micro_batches", self.micro_batches >= 1, "must be >= 1"),
         ("ppo_epochs", self.ppo_epochs >= 1, "must be >= 1"),
+        ("temperature", self.temperature > 0, "must be > 0"),
     ])
 
 
@@ -129,10 +137,11 @@ def token_values(graphdef: nnx.GraphDef, params, batch: TokenBatch) -> jax.Array
 
 def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.Array,
                  *, chunk: int, entropy: bool = False, accuracy: bool = False,
-                 values: bool = False) -> dict[str, jax.Array]:
+                 values: bool = False, temperature: float = 1.0) -> dict[str, jax.Array]:
   """The head at the positions that predict the tokens at `index` [B, A].
 
-  Returns `losses.head_logprobs`'s [B, A] arrays, plus "values" [B, A] when
+  Returns `losses.head_logprobs`'s [B, A] arrays (of the policy at
+  `temperature`), plus "values" [B, A] when
   asked: the value head on the same states (at a turn's first action token,
   the state before it is the turn's decision state).
   """
@@ -146,18 +155,21 @@ def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.A
     head = lambda h: nnx.merge(graphdef, decoder.after(params, h)).logits(h)
   out = losses.head_logprobs(head, states,
                              jnp.take_along_axis(batch.tokens, index, axis=1),
-                             chunk=chunk, entropy=entropy, accuracy=accuracy)
+                             chunk=chunk, entropy=entropy, accuracy=accuracy,
+                             temperature=temperature)
   if values:
     out["values"] = model.values(states)
   return out
 
 
 def action_logprobs(graphdef: nnx.GraphDef, params, batch: TokenBatch, num_actions: int,
-                    *, chunk: int) -> jax.Array:
+                    *, chunk: int, temperature: float = 1.0) -> jax.Array:
   """[B, L] float32 log-probs of the batch's action tokens under `params`
-  (0 elsewhere): the trainer's view of what the sampler sampled."""
+  at `temperature` (0 elsewhere): the trainer's view of what the sampler
+  sampled."""
   index, valid = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0), num_actions)
-  lp = action_heads(graphdef, params, batch, index, chunk=chunk)["logprobs"]
+  lp = action_heads(graphdef, params, batch, index, chunk=chunk,
+                    temperature=temperature)["logprobs"]
   rows = jnp.arange(index.shape[0])[:, None]
   return jnp.zeros(batch.tokens.shape, jnp.float32).at[rows, index].add(
       jnp.where(valid, lp, 0.0))
@@ -359,7 +371,9 @@ class RLStep:
     micro = _split((batch, index), self.cfg.micro_batches)
     ref_params = model_params(state.frozen, state.ref_params)  # LoRA: the base + its start
     ref = jax.lax.map(lambda xs: action_heads(self.graphdef, ref_params, *xs,
-                                              chunk=self.cfg.head_chunk)["logprobs"], micro)
+                                              chunk=self.cfg.head_chunk,
+                                              temperature=self.cfg.temperature)["logprobs"],
+                      micro)
     return ref.reshape(index.shape)
 
   def _step(self, state: TrainState, inputs: tuple[TokenBatch, jax.Array | None],
@@ -390,7 +404,7 @@ class RLStep:
       out = action_heads(self.graphdef, model_params(state.frozen, params), mb, act.index,
                          chunk=cfg.head_chunk,
                          entropy=cfg.entropy_coef > 0 or cfg.behaviour_forward,
-                         values=cfg.value_coef > 0)
+                         values=cfg.value_coef > 0, temperature=cfg.temperature)
       lp = out["logprobs"]
       # The behaviour log-probs are the first epoch's own forward: no update
       # has happened yet, so it computes what a separate forward would.
