@@ -28,7 +28,7 @@ def corpus_lines(episodes: int = EPISODES_PER_ENV):
     yield cls.system_prompt
     for task in cls.tasks("train", episodes, seed=0):
       observation, _ = env.reset(task)
-      expert = cls.expert(task)
+      expert = env.expert(task)
       yield observation
       for _ in range(16):
         action = expert(observation)

@@ -325,11 +325,13 @@ class RLTrainer:
       raise ValueError("max_refill_tasks (dynamic sampling) runs in one process only: the "
                        "processes would have to agree on every refill round")
     check_sections(cfg, step.cfg, engine.max_context)
-    if engine.sampler.policy_temperature != step.cfg.temperature:
+    # A sampler that does not say reports the temperature-1 policy's.
+    reported = getattr(engine.sampler, "policy_temperature", 1.0)
+    if reported != step.cfg.temperature:
       # Else every ratio starts away from 1 by the two temperatures' gap.
       raise ValueError(
           f"the sampler reports log-probs at policy_temperature="
-          f"{engine.sampler.policy_temperature}, the loss trains the policy at "
+          f"{reported}, the loss trains the policy at "
           f"temperature={step.cfg.temperature}: build the Sampler with "
           f"policy_temperature={step.cfg.temperature}")
     if cfg.max_staleness and jax.process_count() > 1:
