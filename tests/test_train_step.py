@@ -59,14 +59,14 @@ def _reference_loss(model, batch, cfg, params_ref):
 
   def loss(params):
     m = nnx.merge(graphdef, params)
-    logits = m(batch.tokens, batch.positions, batch.seq_ids)
+    logits = m(batch.tokens, batch.positions, batch.seq_ids) / cfg.temperature
     lp = losses.token_logprobs(logits, batch.tokens)
     agg = dict(norm_constant=cfg.norm_constant, seq_ids=batch.seq_ids)
     pg, _ = losses.policy_loss(lp, batch.old_logprobs, batch.advantages,
                                batch.loss_mask, clip_low=cfg.clip_low,
                                clip_high=cfg.clip_high, agg=cfg.agg, **agg)
     ref_lp = losses.token_logprobs(nnx.merge(graphdef, params_ref)(
-        batch.tokens, batch.positions, batch.seq_ids), batch.tokens)
+        batch.tokens, batch.positions, batch.seq_ids) / cfg.temperature, batch.tokens)
     kl = losses.aggregate_loss(losses.kl_penalty(lp, ref_lp, cfg.kl_kind),
                                batch.loss_mask, cfg.agg, **agg)
     ent = losses.aggregate_loss(losses.entropy(logits), batch.loss_mask, cfg.agg, **agg)
@@ -276,6 +276,21 @@ def test_accumulation_is_exact_when_views_split_across_micro_batches(model, agg)
     np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-6)
     for g, w in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)
+
+
+def test_the_loss_at_a_temperature_is_the_tempered_policys_in_every_term(model):
+  # Policy, KL reference and entropy all at logits / 1.7: with the
+  # reference at temperature 1 the KL term would not start at 0.
+  batch = _batch(3)
+  cfg = train.LossConfig(kl_beta=0.05, entropy_coef=0.01, temperature=1.7)
+  loss_fn, params = _reference_loss(model, batch, cfg, params_ref=params_of(model))
+  want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params)
+  _, got, m, _ = _run(model, cfg, batch, tx=_CAPTURE)
+  np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-6)
+  assert abs(float(m["kl"])) < 1e-6
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for g, w in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)
 
 
 # Leaves the parameters alone and keeps the gradient as its state: the test
