@@ -12,6 +12,7 @@ is seeded and the rollout runs in lockstep: the test is deterministic.
 import itertools
 import random
 import types
+import warnings
 
 from flax import nnx
 import jax
@@ -391,6 +392,15 @@ def test_a_loss_at_the_sampling_temperature_starts_its_ratios_at_one():
   assert np.abs(batches[0].old_logprobs[on] - batches[1].old_logprobs[on]).mean() > 0.05
   with pytest.raises(ValueError, match="policy_temperature=2.0"):
     _trainer({}, {}, {"temperature": 2.0})
+
+
+def test_a_filtered_sampler_warns_that_the_loss_trains_the_unfiltered_policy():
+  for rollout_kw in ({"top_k": 4}, {"top_p": 0.9}):
+    with pytest.warns(RuntimeWarning, match="loss trains the unfiltered policy"):
+      _trainer(rollout_kw, {})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _trainer({"top_k": 0, "top_p": 1.0}, {})
 
 
 def test_observation_loss_trains_on_observations_with_the_trainers_old_logprobs():

@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -334,6 +335,14 @@ class RLTrainer:
           f"{reported}, the loss trains the policy at "
           f"temperature={step.cfg.temperature}: build the Sampler with "
           f"policy_temperature={step.cfg.temperature}")
+    rollout = engine.config
+    if rollout.top_k or rollout.top_p < 1.0:
+      warnings.warn(
+          f"rollout top_k={rollout.top_k}, top_p={rollout.top_p}: the sampler draws from the "
+          "filtered distribution but the loss trains the unfiltered policy, so the tokens "
+          "the filter drops never get a gradient and their mass can grow unseen; watch "
+          "train/policy_entropy (the trained policy's), not the rollouts",
+          RuntimeWarning, stacklevel=2)
     if cfg.max_staleness and jax.process_count() > 1:
       raise ValueError("max_staleness > 0 runs in one process only")
     self._worker = pipeline.RolloutWorker() if cfg.max_staleness else None
