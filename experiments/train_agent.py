@@ -200,9 +200,10 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   pass_key = f"pass_at_{cfg.eval_samples}"
 
   def sampled():
-    """Held-out metrics of the policy RL optimises (temperature 1), seeded:
-    eval_samples episodes per task give "success_sampled" (avg@k) and, with
-    k > 1, the unbiased pass@k (`rl.pass_at_k`)."""
+    """Held-out metrics sampled at temperature 1 (the raw logits: the policy
+    RL trains at the default loss.temperature, a sharper one than it trains
+    above 1), seeded: eval_samples episodes per task give "success_sampled"
+    (avg@k) and, with k > 1, the unbiased pass@k (`rl.pass_at_k`)."""
     if not cfg.eval_samples:
       return {"success_sampled": float("nan")}
     m = rl.evaluate(engine, eval_tasks, temperature=1.0, samples=cfg.eval_samples,

@@ -335,10 +335,12 @@ class RLTrainer:
           f"{reported}, the loss trains the policy at "
           f"temperature={step.cfg.temperature}: build the Sampler with "
           f"policy_temperature={step.cfg.temperature}")
-    rollout = engine.config
-    if rollout.top_k or rollout.top_p < 1.0:
+    # Duck-typed engines may not say: no filter.
+    top_k = getattr(engine.config, "top_k", 0)
+    top_p = getattr(engine.config, "top_p", 1.0)
+    if top_k or top_p < 1.0:
       warnings.warn(
-          f"rollout top_k={rollout.top_k}, top_p={rollout.top_p}: the sampler draws from the "
+          f"rollout top_k={top_k}, top_p={top_p}: the sampler draws from the "
           "filtered distribution but the loss trains the unfiltered policy, so the tokens "
           "the filter drops never get a gradient and their mass can grow unseen; watch "
           "train/policy_entropy (the trained policy's), not the rollouts",
