@@ -350,6 +350,12 @@ def test_raw_logprobs_are_the_trainers_policy_at_its_temperature():
   with pytest.raises(ValueError, match="policy_temperature"):
     Sampler(models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0)), num_slots=1,
             cache_length=16, policy_temperature=0.0)
+  # Read-only: compiled decode programs keep the temperature they were built with.
+  sampler = Sampler(models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(0)),
+                    num_slots=1, cache_length=16, policy_temperature=1.5)
+  assert sampler.policy_temperature == 1.5
+  with pytest.raises(AttributeError):
+    sampler.policy_temperature = 1.0
 
 
 def test_sampled_logprobs_skip_the_second_normaliser_only_when_all_rows_are_raw():

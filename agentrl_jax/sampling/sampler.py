@@ -124,7 +124,7 @@ class Sampler:
                mesh: jax.sharding.Mesh | None = None, policy_temperature: float = 1.0):
     if not policy_temperature > 0:
       raise ValueError(f"policy_temperature must be > 0, got {policy_temperature}")
-    self.policy_temperature = float(policy_temperature)
+    self._policy_temperature = float(policy_temperature)
     self.cfg = model.cfg
     self.graphdef, params = nnx.split(model)
     params = compute_params(params, self.cfg.dtype)  # the sampler's own copy
@@ -165,6 +165,11 @@ class Sampler:
                                static_argnums=(6,), **decode_shardings)
     self._snapshot_jit = jax.jit(_snapshot_impl, static_argnums=(2,))
     self._fork_jit = jax.jit(_fork_impl, donate_argnums=(0,), **fork_shardings)
+
+  @property
+  def policy_temperature(self) -> float:
+    """Read-only: the compiled decode programs keep the value they were built with."""
+    return self._policy_temperature
 
   def update_params(self, model_or_params) -> None:
     """Weight sync: the next call samples from these parameters
@@ -441,7 +446,7 @@ class Sampler:
     def body(carry):
       step, sub, out, live, stop_state = carry
       rng, key = jax.random.split(sub.rng)
-      token, raw, sampled = sample(key, sub.next_logits, sampling, self.policy_temperature)
+      token, raw, sampled = sample(key, sub.next_logits, sampling, self._policy_temperature)
       # Every live row has generated exactly `step` tokens so far.
       out = out.replace(
           tokens=out.tokens.at[:, step].set(jnp.where(live, token, 0)),
