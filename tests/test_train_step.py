@@ -209,6 +209,27 @@ def test_value_loss_trains_the_value_head_at_turn_starts():
   assert float(last["value_loss"]) < 0.1 * float(first["value_loss"])
 
 
+def test_a_detached_value_head_leaves_the_trunk_alone():
+  # No advantages, no KL, no entropy: the value loss is the whole gradient.
+  model = models.Decoder(models.tiny_config("llama", vocab_size=64, value_head=True),
+                         rngs=nnx.Rngs(0))
+  batch = _batch(4)
+  batch = batch.replace(returns=np.full(batch.tokens.shape, 2.0, np.float32),
+                        advantages=np.zeros_like(batch.advantages))
+  moved = {}
+  for detach in (False, True):
+    before, state, m, _ = _run(model, train.LossConfig(value_coef=1.0, value_detach=detach),
+                               batch)
+    assert float(m["value_loss"]) > 0.1
+    diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), before, state.params)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(diff)}
+    head = [v for k, v in flat.items() if "value_head" in k]
+    trunk = [v for k, v in flat.items() if "value_head" not in k]
+    assert head and min(head) > 0
+    moved[detach] = max(trunk)
+  assert moved[False] > 1e-3 and moved[True] == 0.0
+
+
 def test_sft_step_learns_the_action_tokens(model):
   batch = _batch(5)
   tx = optax.adam(1e-2)

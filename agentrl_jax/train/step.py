@@ -82,6 +82,11 @@ class LossConfig:
   kl_kind: str = "k3"
   entropy_coef: float = 0.0
   value_coef: float = 0.0  # needs a value head and batch.returns
+  # True: the value loss trains the value head alone, on the policy's hidden
+  # states with their gradient stopped, so a freshly initialised head cannot
+  # move the policy's trunk (a critic on the policy's features, like a
+  # separate critic model leaves the actor alone). False shares the trunk.
+  value_detach: bool = False
   is_correction: str = "none"
   tis_cap: float = 2.0
   ppo_epochs: int = 1
@@ -137,13 +142,15 @@ def token_values(graphdef: nnx.GraphDef, params, batch: TokenBatch) -> jax.Array
 
 def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.Array,
                  *, chunk: int, entropy: bool = False, accuracy: bool = False,
-                 values: bool = False, temperature: float = 1.0) -> dict[str, jax.Array]:
+                 values: bool = False, value_detach: bool = False,
+                 temperature: float = 1.0) -> dict[str, jax.Array]:
   """The head at the positions that predict the tokens at `index` [B, A].
 
   Returns `losses.head_logprobs`'s [B, A] arrays (of the policy at
   `temperature`), plus "values" [B, A] when
   asked: the value head on the same states (at a turn's first action token,
-  the state before it is the turn's decision state).
+  the state before it is the turn's decision state), through a stopped
+  gradient with `value_detach`.
   """
   model, hidden = _hidden(graphdef, params, batch)
   # The state at i - 1 predicts token i (an action never opens a sequence).
@@ -158,7 +165,7 @@ def action_heads(graphdef: nnx.GraphDef, params, batch: TokenBatch, index: jax.A
                              chunk=chunk, entropy=entropy, accuracy=accuracy,
                              temperature=temperature)
   if values:
-    out["values"] = model.values(states)
+    out["values"] = model.values(jax.lax.stop_gradient(states) if value_detach else states)
   return out
 
 
@@ -404,7 +411,8 @@ class RLStep:
       out = action_heads(self.graphdef, model_params(state.frozen, params), mb, act.index,
                          chunk=cfg.head_chunk,
                          entropy=cfg.entropy_coef > 0 or cfg.behaviour_forward,
-                         values=cfg.value_coef > 0, temperature=cfg.temperature)
+                         values=cfg.value_coef > 0, value_detach=cfg.value_detach,
+                         temperature=cfg.temperature)
       lp = out["logprobs"]
       # The behaviour log-probs are the first epoch's own forward: no update
       # has happened yet, so it computes what a separate forward would.
