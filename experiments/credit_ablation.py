@@ -23,6 +23,10 @@ each comparison changes one thing (`ARMS`):
   masking     grpo with the policy loss on observation tokens too
               (`rl.observation_loss`), against the masked default.
 
+`VARIANTS` run only when `--arms` names them: `gae_detached` is `gae` with
+its value head trained on the policy's stopped hidden states
+(`loss.value_detach`).
+
 A credit scheme registered by name (`credit.register`) is an estimator arm
 too. Environments (`ENVS`): text FrozenLake with the shaped per-turn reward
 (0.1 per cell closer to the goal), gamma 0.9
@@ -81,6 +85,12 @@ ARMS = {
     "obs_loss": Arm("masking", fields=(("rl.observation_loss", True),)),
 }
 ARM_NAMES = tuple(ARMS)
+# Arms run only when named (`--arms`): variants of an arm above.
+VARIANTS = {
+    # gae with the value loss stopped at the head (`loss.value_detach`): a
+    # fresh head's gradient cannot reach the policy's trunk.
+    "gae_detached": _estimator("gae", ("loss.value_coef", 0.5), ("loss.value_detach", True)),
+}
 
 ENVS = {"frozen_lake": frozen_lake_turn_credit.get_config, "sokoban": sokoban.get_config,
         "tools": tools_example.get_config, "frozen_lake_6x6": frozen_lake_6x6.get_config}
@@ -123,13 +133,16 @@ SIZES = {
 
 
 def arm(name: str) -> Arm:
-  """The arm `name`: a built-in one, or a registered credit scheme's estimator arm."""
+  """The arm `name`: a built-in one, a variant, or a registered credit scheme's
+  estimator arm."""
   if name in ARMS:
     return ARMS[name]
+  if name in VARIANTS:
+    return VARIANTS[name]
   if name in credit.schemes():
     return _estimator(name)
-  raise ValueError(f"unknown arm {name!r}: one of {ARM_NAMES} or a registered credit "
-                   f"scheme {credit.schemes()}")
+  raise ValueError(f"unknown arm {name!r}: one of {ARM_NAMES + tuple(VARIANTS)} or a "
+                   f"registered credit scheme {credit.schemes()}")
 
 
 def config(name: str, seed: int, size: str, env: str = "frozen_lake"):

@@ -47,7 +47,8 @@ def test_ablation_arms_change_one_thing_against_grpo():
   grpo = credit_ablation.config("grpo", 0, "tiny")
   loss_fields = ("agg", "norm_constant", "clip_low", "clip_high")
   for env in credit_ablation.ENVS:
-    for size, name in itertools.product(credit_ablation.SIZES[env], credit_ablation.ARM_NAMES):
+    for size, name in itertools.product(credit_ablation.SIZES[env],
+                                        (*credit_ablation.ARM_NAMES, *credit_ablation.VARIANTS)):
       cfg = credit_ablation.config(name, 0, size, env)
       base.validate(cfg)
       if env == "sokoban":  # the expert's demos fit the turn budget
@@ -55,14 +56,16 @@ def test_ablation_arms_change_one_thing_against_grpo():
       if env == "tools":  # the warehouse task in Qwen2.5's tool-call format
         assert cfg.env.name.endswith("warehouse_tools.py:make_env")
         assert (cfg.env.chat_format, cfg.model.tiny.vocab_size) == ("qwen2.5", 1024)
-      comparison = credit_ablation.ARMS[name].comparison
+      comparison = credit_ablation.arm(name).comparison
       if comparison in ("baseline", "estimator", "masking"):
         # grpo's whole loss; only the estimator or the loss mask differs.
         assert cfg.algorithm == "grpo" and not cfg.rl.filter_zero_variance
         assert [cfg.loss[f] for f in loss_fields] == [
             "seq-mean-token-mean", None, 0.2, 0.2], (env, name)
         assert cfg.rl.observation_loss == (name == "obs_loss")
-        assert cfg.rl.credit == (name if comparison == "estimator" else "grpo")
+        assert cfg.rl.credit == (name.removesuffix("_detached") if comparison == "estimator"
+                                 else "grpo")
+        assert cfg.loss.value_detach == (name == "gae_detached")
       else:  # a named algorithm: its preset, whole
         assert cfg.algorithm == name and cfg.rl.credit == presets.PRESETS[name].credit
       # What train_agent re-applies (the preset, keeping the arm's fields)
@@ -71,6 +74,8 @@ def test_ablation_arms_change_one_thing_against_grpo():
                             keep=credit_ablation.arm_fields(name))
       assert again.to_dict() == cfg.to_dict()
   assert credit_ablation.config("gae", 0, "tiny").loss.value_coef == 0.5
+  assert credit_ablation.config("gae_detached", 0, "tiny").loss.value_coef == 0.5
+  assert "gae_detached" not in credit_ablation.ARM_NAMES  # run when named only
   assert credit_ablation.config("drgrpo", 0, "tiny").loss.agg == "seq-mean-token-sum-norm"
   assert credit_ablation.config("dapo", 0, "tiny").rl.max_refill_tasks == 2 * 2
   assert grpo.rl.credit == "grpo" and grpo.env.name == "frozen_lake"
