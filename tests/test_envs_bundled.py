@@ -292,6 +292,57 @@ def test_frozen_lake_expert_ties():
     FrozenLakeEnv(expert_ties="last")
 
 
+DOOR = Task("door", "Walk.", {"desc": ("SFFD", "FHFF", "FFFH", "HFFG"), "env_seed": 0}, 0)
+
+
+def test_frozen_lake_door_by_hand():
+  # G's distances route around D: from (0,2) the shortest way to G goes down.
+  dist = frozen_lake._distances(DOOR.data["desc"])  # pylint: disable=protected-access
+  assert (0, 3) not in dist and dist[(0, 0)] == 6 and dist[(0, 2)] == 4
+  env = FrozenLakeEnv()
+  env.reset(DOOR)
+  env.step("<move>right</move>")
+  env.step("<move>right</move>")
+  door = env.step("<move>right</move>")
+  assert door.terminated and door.reward == 0.0 and "door D" in door.observation
+  assert door.info["reward_parts"]["outcome"] == 0.0
+  # The goal expert walks to G past the door.
+  _, results = rollout(env, DOOR, env.expert(DOOR))
+  assert results[-1].reward == 1.0 and len(results) == 6
+
+
+def test_frozen_lake_decoy_maps_and_demonstrations():
+  corners = {(0, 3), (3, 0), (3, 3)}
+  tasks = FrozenLakeEnv.tasks("train", 60, 0, sizes=(4,), decoy=True)
+  assert FrozenLakeEnv.tasks("train", 60, 0, sizes=(4,)) == FrozenLakeEnv.tasks(
+      "train", 60, 0, sizes=(4,), decoy=False)  # plain maps unchanged
+  either, goal = FrozenLakeEnv(demo_exits="either"), FrozenLakeEnv()
+  exits, placed = collections.Counter(), collections.Counter()
+  for task in tasks:
+    desc = task.data["desc"]
+    where = {ch: (r, c) for r, row in enumerate(desc) for c, ch in enumerate(row) if ch in "GD"}
+    assert sorted("".join(desc).replace("S", "").replace("F", "").replace("H", "")) == ["D", "G"]
+    assert where["G"] in corners and where["D"] in corners and desc[0][0] == "S"
+    assert "D is a door" in task.prompt
+    placed[where["G"]] += 1
+    for env in (either, goal):
+      obs, results = rollout(env, task, env.expert(task))
+      letter = "G" if results[-1].reward == 1.0 else "D"
+      assert results[-1].terminated and (letter == "G" or "door D" in obs[-1])
+      # A shortest path to the exit it took, avoiding the other one.
+      shortest = frozen_lake._distances(desc, letter)[(0, 0)]  # pylint: disable=protected-access
+      assert len(results) == shortest
+      if env is goal:
+        assert letter == "G"
+      else:
+        exits[letter] += 1
+        assert rollout(env, task, env.expert(task))[0] == obs  # seeded by the map
+  assert exits.keys() == {"G", "D"} and min(exits.values()) >= 20
+  assert len(placed) == 3 and min(placed.values()) >= 10
+  with pytest.raises(ValueError, match="demo_exits"):
+    FrozenLakeEnv(demo_exits="both")
+
+
 def test_frozen_lake_goal_and_unknown_move():
   env = FrozenLakeEnv()
   env.reset(LAKE)

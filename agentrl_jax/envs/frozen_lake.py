@@ -11,6 +11,13 @@ Rewards: outcome 1.0 on reaching G (0 on a hole); with `shaped_reward > 0`,
 each move also earns shaped_reward x (decrease of the shortest-path distance
 to G; negative when it grows) as "process" reward, so credit-assignment
 studies get a per-turn signal.
+
+Maps drawn with `tasks(..., decoy=True)` have a second exit, a door D: G
+and D sit in two of the three corners away from S (both reachable), and D
+ends the episode unpaid (one token, as G, H and F are, in the bundled
+tokenizer). With `demo_exits="either"` the expert leaves by G or D, a
+fair coin per map, so demonstrations show how to walk to an exit but not
+which one pays: what SFT cannot learn from them and RL can from the reward.
 """
 
 from __future__ import annotations
@@ -26,24 +33,39 @@ from agentrl_jax.envs.grid import DELTAS, MOVES, POSITION, read_move
 
 SPLITS = ("train", "test")
 EXPERT_TIES = ("first", "random")
+DEMO_EXITS = ("goal", "either")
+EXITS = "GD"  # each ends the episode; only G pays
 _PROMPT = "Walk from S to G across the frozen lake without falling into a hole (H)."
+_DECOY_PROMPT = _PROMPT + " D is a door out: leaving by it earns nothing."
 
 
-def _distances(desc: Sequence[str]) -> dict[tuple[int, int], int]:
-  """Shortest-path distance to G from every cell that can reach it (BFS
-  backwards from G through non-hole cells)."""
+def _distances(desc: Sequence[str], exit_: str = "G") -> dict[tuple[int, int], int]:
+  """Shortest-path distance to exit `exit_` from every cell that can reach
+  it (BFS backwards from it through cells that are neither a hole nor the
+  other exit)."""
   size = len(desc)
-  goal = next((r, c) for r in range(size) for c in range(size) if desc[r][c] == "G")
+  goal = next((r, c) for r in range(size) for c in range(size) if desc[r][c] == exit_)
   dist, queue = {goal: 0}, collections.deque([goal])
   while queue:
     r, c = queue.popleft()
     for dr, dc in DELTAS:
       cell = (r + dr, c + dc)
       if (0 <= cell[0] < size and 0 <= cell[1] < size and cell not in dist
-          and desc[cell[0]][cell[1]] != "H"):
+          and desc[cell[0]][cell[1]] not in "H" + EXITS):
         dist[cell] = dist[(r, c)] + 1
         queue.append(cell)
   return dist
+
+
+def _with_decoy(desc: Sequence[str], rng: random.Random) -> tuple[str, ...] | None:
+  """`desc` with G and D in two of the three corners away from S, or None
+  when S cannot reach both."""
+  n = len(desc)
+  rows = [list(row.replace("G", "F")) for row in desc]
+  for (r, c), letter in zip(rng.sample([(0, n - 1), (n - 1, 0), (n - 1, n - 1)], 2), EXITS):
+    rows[r][c] = letter
+  out = tuple("".join(row) for row in rows)
+  return out if all((0, 0) in _distances(out, e) for e in EXITS) else None
 
 
 def _neighbour(cell: tuple[int, int], move: int, size: int) -> tuple[int, int]:
@@ -66,6 +88,8 @@ class FrozenLakeEnv(TextEnvironment):
       "first" (in the order left, down, right, up) or "random" (uniformly,
       seeded by the map): demonstrations that do not always say "down"
       where down is one of the shortest moves.
+    demo_exits: where the expert walks on a map with a second exit D:
+      "goal" (to G) or "either" (to G or D, a fair coin seeded by the map).
   """
 
   system_prompt = (
@@ -78,20 +102,24 @@ class FrozenLakeEnv(TextEnvironment):
 
   def __init__(self, *, is_slippery: bool = False, shaped_reward: float = 0.0,
                neighbours: bool = False, expert_ties: str = "first",
-               format_penalty: float = 0.0, step_cost: float = 0.0):
+               demo_exits: str = "goal", format_penalty: float = 0.0,
+               step_cost: float = 0.0):
     super().__init__(format_penalty=format_penalty, step_cost=step_cost)
     if expert_ties not in EXPERT_TIES:
       raise ValueError(f"expert_ties must be one of {EXPERT_TIES}, got {expert_ties!r}")
+    if demo_exits not in DEMO_EXITS:
+      raise ValueError(f"demo_exits must be one of {DEMO_EXITS}, got {demo_exits!r}")
     self.is_slippery, self.shaped_reward = is_slippery, shaped_reward
-    self.neighbours, self.expert_ties = neighbours, expert_ties
+    self.neighbours, self.expert_ties, self.demo_exits = neighbours, expert_ties, demo_exits
     self._gym: frozen_lake.FrozenLakeEnv | None = None
 
   @classmethod
   def tasks(cls, split: str, n: int, seed: int, *, sizes: tuple[int, ...] = (4, 5),
-            p: float = 0.8) -> list[Task]:
+            p: float = 0.8, decoy: bool = False) -> list[Task]:
     """`n` distinct maps of `split` (a hash partition of the map: about 1 in 5
-    is a test map); sizes drawn uniformly, `p` = probability of frozen cell.
-    Level = size - 4 (4x4 is level 0)."""
+    is a test map); sizes drawn uniformly, `p` = probability of frozen cell;
+    `decoy`: each map has a second exit D (module docstring). Level = size -
+    4 (4x4 is level 0)."""
     if split not in SPLITS:
       raise ValueError(f"unknown split {split!r}; known: {SPLITS}")
     rng, out, seen = random.Random(seed), [], set()
@@ -100,23 +128,30 @@ class FrozenLakeEnv(TextEnvironment):
         break
       size = rng.choice(sizes)
       desc = tuple(frozen_lake.generate_random_map(size, p, seed=rng.randrange(2**31)))
+      if decoy:
+        desc = _with_decoy(desc, rng)
+        if desc is None:
+          continue
       where, digest = hashed_split("/".join(desc))
       if digest in seen or where != split:
         continue
       seen.add(digest)
-      out.append(Task(f"frozenlake/{size}x{size}/{digest[:16]}", _PROMPT,
+      out.append(Task(f"frozenlake/{size}x{size}/{digest[:16]}",
+                      _DECOY_PROMPT if decoy else _PROMPT,
                       {"desc": desc, "env_seed": int(digest[:8], 16)}, max(size - 4, 0)))
     if len(out) < n:
       raise ValueError(f"found only {len(out)} of {n} distinct {split} maps for sizes {sizes}")
     return out
 
   def expert(self, task: Task) -> Expert:
-    """Takes a shortest-path move from the position in each observation
-    (re-planning every turn, so it copes with slipping); among several, the
-    one `expert_ties` picks."""
+    """Takes a shortest-path move to its exit (G, or as `demo_exits` picks)
+    from the position in each observation (re-planning every turn, so it
+    copes with slipping); among several, the one `expert_ties` picks."""
     desc = task.data["desc"]
-    dist = _distances(desc)
-    rng = random.Random(task.data["env_seed"]) if self.expert_ties == "random" else None
+    seeded = random.Random(task.data["env_seed"])
+    either = self.demo_exits == "either" and any("D" in row for row in desc)
+    dist = _distances(desc, seeded.choice(EXITS) if either else "G")
+    rng = seeded if self.expert_ties == "random" else None
 
     def policy(observation: str) -> str:
       r, c = map(int, POSITION.findall(observation)[-1])
@@ -145,6 +180,7 @@ class FrozenLakeEnv(TextEnvironment):
     before = self._cell()
     self._state, reward, terminated, _, _ = self._gym.step(move)
     after = self._cell()
+    terminated = terminated or self._desc[after[0]][after[1]] == "D"  # gymnasium: a frozen cell
     parts = {"outcome": float(reward)}
     if after in self._dist:  # not a hole
       parts["process"] = self.shaped_reward * (self._dist[before] - self._dist[after])
@@ -156,6 +192,8 @@ class FrozenLakeEnv(TextEnvironment):
       message += " You fell into a hole."
     elif reward > 0:
       message += " You reached the goal!"
+    elif terminated:
+      message += " You left by the door D: no reward."
     return f"{message}\n\n{self._render()}", parts, terminated, {"position": after}
 
   def state_key(self, observation: str) -> tuple[int, int]:
