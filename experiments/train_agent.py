@@ -267,7 +267,8 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   if progress["phase"] == "sft" and cfg.sft.steps > 0:  # 0: the model already acts
     # Every host makes the same (scripted, seeded) demos: SFT batches are
     # global values that each host places its shards of.
-    demos = sft.expert_demos(engine, train_tasks[:cfg.sft.num_demos])
+    demos = sft.expert_demos(engine, train_tasks[:cfg.sft.num_demos],
+                             keep_failed=cfg.sft.keep_failed)
     bar = tqdm.tqdm(total=cfg.sft.steps, desc="SFT", unit="step", disable=not primary)
 
     def on_step(i, m):

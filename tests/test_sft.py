@@ -51,3 +51,16 @@ def test_stop_at_success_checks_every_nth_update_against_the_target():
   assert checked == [3, 6]
   with pytest.raises(ValueError, match="every = 0 must be >= 1"):
     sft.stop_at_success(success, target=0.5, every=0)
+
+
+def test_expert_demos_keep_the_successful_episodes_unless_told():
+  trajs = _demos(3)
+  for t, success in zip(trajs, (True, False, True)):
+    t.metadata["success"] = success
+
+  class Engine:
+    def run(self, tasks, group_size, *, expert):
+      assert (tasks, group_size, expert) == (["a", "b", "c"], 1, True)
+      return type("Result", (), {"trajectories": trajs})
+  assert sft.expert_demos(Engine(), ["a", "b", "c"]) == [trajs[0], trajs[2]]
+  assert sft.expert_demos(Engine(), ["a", "b", "c"], keep_failed=True) == trajs

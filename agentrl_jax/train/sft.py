@@ -22,10 +22,13 @@ from agentrl_jax.train.step import SFTStep
 from agentrl_jax.trajectory import Trajectory, collate
 
 
-def expert_demos(engine: RolloutEngine, tasks: Sequence[Task]) -> list[Trajectory]:
-  """One expert episode per task (only successful ones are kept)."""
+def expert_demos(engine: RolloutEngine, tasks: Sequence[Task], *,
+                 keep_failed: bool = False) -> list[Trajectory]:
+  """One expert episode per task: the successful ones, or every one with
+  `keep_failed` (demonstrations that do not know what the reward pays, as
+  FrozenLake's `demo_exits="either"`)."""
   trajs = engine.run(tasks, 1, expert=True).trajectories
-  return [t for t in trajs if t.metadata["success"]]
+  return [t for t in trajs if keep_failed or t.metadata["success"]]
 
 
 def stop_at_success(success: Callable[[TrainState], float], *, target: float, every: int

@@ -92,9 +92,10 @@ def get_config():
   # stop_at_success > 0 ends SFT (before `steps`) at the first check, every
   # check_every steps, where greedy success on check_tasks training-split
   # tasks after the demos' reaches it: every seed starts RL reading as well.
+  # keep_failed: SFT on the expert's unsuccessful episodes too.
   c.sft = ml_collections.ConfigDict(dict(num_demos=256, steps=150, batch_size=16,
                                          stop_at_success=0.0, check_every=25,
-                                         check_tasks=32))
+                                         check_tasks=32, keep_failed=False))
   c.optim = _section(OptimConfig, learning_rate=1e-3, total_steps=400, b2=0.99)
   # RL fine-tunes the SFT policy with its own, gentler optimiser.
   c.rl_optim = _section(OptimConfig, learning_rate=1e-4, warmup_steps=5, total_steps=200,
