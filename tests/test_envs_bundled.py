@@ -312,7 +312,6 @@ def test_frozen_lake_door_by_hand():
 
 
 def test_frozen_lake_decoy_maps_and_demonstrations():
-  corners = {(0, 3), (3, 0), (3, 3)}
   tasks = FrozenLakeEnv.tasks("train", 60, 0, sizes=(4,), decoy=True)
   assert FrozenLakeEnv.tasks("train", 60, 0, sizes=(4,)) == FrozenLakeEnv.tasks(
       "train", 60, 0, sizes=(4,), decoy=False)  # plain maps unchanged
@@ -322,9 +321,9 @@ def test_frozen_lake_decoy_maps_and_demonstrations():
     desc = task.data["desc"]
     where = {ch: (r, c) for r, row in enumerate(desc) for c, ch in enumerate(row) if ch in "GD"}
     assert sorted("".join(desc).replace("S", "").replace("F", "").replace("H", "")) == ["D", "G"]
-    assert where["G"] in corners and where["D"] in corners and desc[0][0] == "S"
+    assert where["G"] == (3, 3) and where["D"] in {(0, 3), (3, 0)} and desc[0][0] == "S"
     assert "D is a door" in task.prompt
-    placed[where["G"]] += 1
+    placed[where["D"]] += 1
     for env in (either, goal):
       obs, results = rollout(env, task, env.expert(task))
       letter = "G" if results[-1].reward == 1.0 else "D"
@@ -338,7 +337,7 @@ def test_frozen_lake_decoy_maps_and_demonstrations():
         exits[letter] += 1
         assert rollout(env, task, env.expert(task))[0] == obs  # seeded by the map
   assert exits.keys() == {"G", "D"} and min(exits.values()) >= 20
-  assert len(placed) == 3 and min(placed.values()) >= 10
+  assert len(placed) == 2 and min(placed.values()) >= 20
   with pytest.raises(ValueError, match="demo_exits"):
     FrozenLakeEnv(demo_exits="both")
 

@@ -12,9 +12,9 @@ each move also earns shaped_reward x (decrease of the shortest-path distance
 to G; negative when it grows) as "process" reward, so credit-assignment
 studies get a per-turn signal.
 
-Maps drawn with `tasks(..., decoy=True)` have a second exit, a door D: G
-and D sit in two of the three corners away from S (both reachable), and D
-ends the episode unpaid (one token, as G, H and F are, in the bundled
+Maps drawn with `tasks(..., decoy=True)` have a second exit, a door D in
+the top-right or bottom-left corner (G stays bottom-right; S reaches
+each without passing the other), and D ends the episode unpaid (one token, as G, H and F are, in the bundled
 tokenizer). With `demo_exits="either"` the expert leaves by G or D, a
 fair coin per map, so demonstrations show how to walk to an exit but not
 which one pays: what SFT cannot learn from them and RL can from the reward.
@@ -58,12 +58,12 @@ def _distances(desc: Sequence[str], exit_: str = "G") -> dict[tuple[int, int], i
 
 
 def _with_decoy(desc: Sequence[str], rng: random.Random) -> tuple[str, ...] | None:
-  """`desc` with G and D in two of the three corners away from S, or None
-  when S cannot reach both."""
+  """`desc` with a door D in the top-right or bottom-left corner, or None
+  when S cannot reach both exits."""
   n = len(desc)
-  rows = [list(row.replace("G", "F")) for row in desc]
-  for (r, c), letter in zip(rng.sample([(0, n - 1), (n - 1, 0), (n - 1, n - 1)], 2), EXITS):
-    rows[r][c] = letter
+  rows = [list(row) for row in desc]
+  r, c = rng.choice([(0, n - 1), (n - 1, 0)])
+  rows[r][c] = "D"
   out = tuple("".join(row) for row in rows)
   return out if all((0, 0) in _distances(out, e) for e in EXITS) else None
 
