@@ -48,7 +48,7 @@ class SlowFrozenLake(FrozenLakeEnv):
 
 
 def arm_config(iterations: int, staleness: int):
-  cfg = default.get_config()
+  cfg = default.frozen_lake()
   cfg.rollout.temperature = 1.0  # as the committed table was measured
   cfg.env.name = "slow_frozen_lake"
   cfg.env.num_eval_tasks = 64

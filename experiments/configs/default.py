@@ -4,12 +4,16 @@
       --workdir=runs/default
 
 A 2-layer, d=128 model with the bundled tokenizer, trained from scratch on
-2 CPU cores: SFT on the scripted expert (BFS shortest path) from 64 maps,
-150 steps, which reads maps it has seen and generalises to part of the
-others (room for RL), then GRPO with 8 rollouts per 4x4 map on the outcome
-reward, 8 maps (64 episodes) per iteration sampled at temperature 1.3,
-two optimizer steps on each batch (PPO epochs) at 2e-4. The agent reads
-the grid each turn and answers with <move>left|down|right|up</move>.
+2 CPU cores. Each 4x4 map has FrozenLake's goal G in the bottom-right
+corner and a second exit, a door D, in the top-right or bottom-left one:
+the door ends the episode unpaid. The scripted expert (BFS shortest path)
+leaves by G or by D, a fair coin per map, like demonstrators who did not
+know which exit pays; SFT imitates all of its episodes on 64 maps (150
+steps), so the policy learns to read the map and walk to an exit, but not
+which exit. RL (GRPO on the outcome reward, 8 rollouts per map, 8 maps
+an iteration sampled at temperature 1.3, two optimizer steps per batch at
+2e-4) learns which one from the reward. The agent reads the grid each
+turn and answers with <move>left|down|right|up</move>.
 
 It prints held-out success on 128 unseen maps (greedy, and at temperature 1
 with 4 episodes per map) after SFT and after RL. Other seeds:
@@ -24,7 +28,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import base  # pylint: disable=wrong-import-position
 
 
-def get_config():
+def frozen_lake():
+  """Plain text FrozenLake (G the only exit, SFT on the expert's shortest
+  paths, 60 RL iterations): the main command until session 35 and the base
+  of the FrozenLake and Sokoban ablation configs, whose recorded runs it
+  reproduces."""
   c = base.get_config()
   c.env.name = "frozen_lake"
   c.env.chat_format = "react"
@@ -55,4 +63,17 @@ def get_config():
   c.sft.num_demos = 64
   c.sft.steps = 150
   c.iterations = 60
+  return c
+
+
+def get_config():
+  c = frozen_lake()
+  c.env.task_kwargs = {"sizes": (4,), "decoy": True}
+  c.env.kwargs = {"demo_exits": "either"}
+  # All the demonstrations: the half that leave by the door too.
+  c.sft.keep_failed = True
+  # RL's held-out gain is made by about iteration 30 (docs/results.md,
+  # session 35).
+  c.iterations = 40
+  c.rl_optim.total_steps = 100
   return c

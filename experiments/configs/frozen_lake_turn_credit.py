@@ -21,7 +21,7 @@ import default  # pylint: disable=wrong-import-position
 
 
 def get_config(scheme="turn_grpo"):
-  c = default.get_config()
+  c = default.frozen_lake()
   c.rollout.temperature = 1.0  # the notebook's committed runs sampled at 1
   c.env.kwargs = {"shaped_reward": 0.1}
   c.rl.credit = scheme
