@@ -2,8 +2,8 @@
 
   python benchmarks/async.py [--iterations 16] [--latency 0.2,0.3] [--staleness 1,2]
 
-The default task (experiments/configs/default.py: the tiny model on 4x4
-FrozenLake, 64 episodes per iteration) with every environment step
+Plain FrozenLake (`frozen_lake()` of experiments/configs/default.py: the
+tiny model on 4x4 maps, 64 episodes per iteration) with every environment step
 sleeping a uniform 200-300 ms, a tool call's latency, on a thread per
 episode: rollouts wait on environments about as long as the model
 computes. One SFT run, then from

@@ -2,8 +2,8 @@
 
   python benchmarks/packing.py [--iterations 20] [--multiples 8]
 
-The default task (experiments/configs/default.py: the tiny model on 4x4
-FrozenLake, 64 episodes of 1-8 turns per iteration, rows padded to the
+Plain FrozenLake (`frozen_lake()` of experiments/configs/default.py: the
+tiny model on 4x4 maps, 64 episodes of 1-8 turns per iteration, rows padded to the
 bucket of the longest, 256-512 tokens). One SFT run, then from its
 checkpoint each arm runs `experiments/train_agent.py`'s loop for the same
 iterations and seed, all in this process: `rl.pack=False` (a row per
