@@ -24,7 +24,8 @@ from configs import (base, calculator, default,  # pylint: disable=wrong-import-
 import train_agent  # pylint: disable=wrong-import-position
 
 CONFIGS = {
-    "default": default.get_config, "calculator": calculator.get_config,
+    "default": default.get_config, "default:plain": lambda: default.get_config("plain"),
+    "calculator": calculator.get_config,
     "search_qa": search_qa.get_config, "python_tool": python_tool.get_config,
     "tools_example": tools_example.get_config,
     "sokoban:gigpo": lambda: sokoban.get_config("gigpo"),
@@ -32,6 +33,17 @@ CONFIGS = {
     **{f"frozen_lake_turn_credit:{s}": (lambda s=s: frozen_lake_turn_credit.get_config(s))
        for s in ("turn_returns", "turn_grpo", "gae", "branching", "gigpo")},
 }
+
+
+def test_default_is_the_door_task_over_plain_frozen_lake():
+  door, plain = default.get_config(), default.get_config("plain")
+  # Demonstrations to either exit, all kept; G the only exit in plain.
+  assert door.env.task_kwargs["decoy"] and door.env.kwargs["demo_exits"] == "either"
+  assert door.sft.keep_failed and not plain.sft.keep_failed
+  assert "decoy" not in plain.env.task_kwargs and not plain.env.kwargs
+  assert plain.to_dict() == default.frozen_lake().to_dict()
+  with pytest.raises(ValueError, match="unknown task 'doors'"):
+    default.get_config("doors")
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

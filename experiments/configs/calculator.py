@@ -1,7 +1,7 @@
-"""The embedded default: the tiny model learns the calculator tool, SFT then RL.
+"""The tiny model learns the calculator tool, SFT then RL.
 
-  python experiments/train_agent.py --config=experiments/configs/default.py \\
-      --workdir=runs/default
+  python experiments/train_agent.py --config=experiments/configs/calculator.py \\
+      --workdir=runs/calculator
 
 A 2-layer, d=128 model with the bundled tokenizer, trained from scratch on
 2 CPU cores: SFT on the scripted expert (short on purpose, so the policy is
