@@ -180,7 +180,9 @@ def test_a_contract_error_stops_a_run_before_any_work(tmp_path):
   '''))
   out = subprocess.run(
       [sys.executable, str(ROOT / "experiments/train_agent.py"),
-       f"--config={ROOT}/experiments/configs/default.py", "--config.env.name=bare_env:BareEnv", f"--workdir={tmp_path / 'run'}"],
+       # plain FrozenLake's config: the default's env.kwargs are FrozenLake's.
+       f"--config={ROOT}/experiments/configs/default.py:plain", "--config.env.name=bare_env:BareEnv",
+       f"--workdir={tmp_path / 'run'}"],
       cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert out.returncode != 0
   assert "environment BareEnv needs: stop_strings = (...)" in out.stderr, out.stderr[-2000:]
