@@ -13,11 +13,12 @@ to G; negative when it grows) as "process" reward, so credit-assignment
 studies get a per-turn signal.
 
 Maps drawn with `tasks(..., decoy=True)` have a second exit, a door D in
-the top-right or bottom-left corner (G stays bottom-right; S reaches
-each without passing the other), and D ends the episode unpaid (one token, as G, H and F are, in the bundled
-tokenizer). With `demo_exits="either"` the expert leaves by G or D, a
-fair coin per map, so demonstrations show how to walk to an exit but not
-which one pays: what SFT cannot learn from them and RL can from the reward.
+the top-right or bottom-left corner (G stays bottom-right; S reaches each
+without passing the other; " D" is one token of the bundled tokenizer, as
+" G" is), and D ends the episode unpaid. With `demo_exits="either"` the
+expert leaves by G or D, a fair coin per map, so demonstrations show how
+to walk to an exit but not which one pays: what SFT cannot learn from
+them and RL can from the reward.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class FrozenLakeEnv(TextEnvironment):
     before = self._cell()
     self._state, reward, terminated, _, _ = self._gym.step(move)
     after = self._cell()
-    terminated = terminated or self._desc[after[0]][after[1]] == "D"  # gymnasium: a frozen cell
+    terminated = terminated or self._desc[after[0]][after[1]] == "D"  # gymnasium reads D as frozen
     parts = {"outcome": float(reward)}
     if after in self._dist:  # not a hole
       parts["process"] = self.shaped_reward * (self._dist[before] - self._dist[after])

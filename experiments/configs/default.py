@@ -16,7 +16,7 @@ steps per batch at 2e-4) learns which one from the reward. The agent reads the g
 turn and answers with <move>left|down|right|up</move>.
 
 `--config=experiments/configs/default.py:plain` runs plain FrozenLake
-(`frozen_lake()`), the main command before session 35.
+(`frozen_lake()`), the main command's earlier task.
 
 It prints held-out success on 128 unseen maps (greedy, and at temperature 1
 with 4 episodes per map) after SFT and after RL. Other seeds:
@@ -33,9 +33,9 @@ import base  # pylint: disable=wrong-import-position
 
 def frozen_lake():
   """Plain text FrozenLake (G the only exit, SFT on the expert's shortest
-  paths, 60 RL iterations): the main command until session 35 and the base
-  of the FrozenLake and Sokoban ablation configs, whose recorded runs it
-  reproduces."""
+  paths, 60 RL iterations): the main command's earlier task, and the base
+  of the FrozenLake and Sokoban ablation configs and of the benchmarks,
+  whose recorded runs it reproduces."""
   c = base.get_config()
   c.env.name = "frozen_lake"
   c.env.chat_format = "react"
