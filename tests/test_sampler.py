@@ -302,6 +302,49 @@ def test_sample_controls_and_logprobs():
   np.testing.assert_allclose(sampled[:, 3], np.log(temp2[tokens[:, 3]]), rtol=1e-5)
 
 
+def _hf_filter(logits, top_k, top_p):
+  """transformers' TopKLogitsWarper then TopPLogitsWarper on one row."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from transformers.generation import logits_process as lp  # pylint: disable=g-import-not-at-top
+  scores = torch.tensor(np.asarray(logits, np.float32))[None]
+  if top_k:
+    scores = lp.TopKLogitsWarper(top_k)(None, scores)
+  if top_p < 1.0:
+    scores = lp.TopPLogitsWarper(top_p)(None, scores)
+  return np.isfinite(scores[0].numpy())
+
+
+def test_top_k_then_top_p_matches_transformers():
+  # .4/.3/.2/.1 with k=2, p=.5: the nucleus of the renormalised top-2
+  # (.571, .429) is the first token alone; over the full distribution it
+  # would take two.
+  logits = jnp.log(jnp.array([[0.3, 0.4, 0.1, 0.2]]))
+  kept = np.isfinite(processing._filter(logits, jnp.array([2]), jnp.array([0.5])))
+  np.testing.assert_array_equal(kept[0], [False, True, False, False])
+  rng = np.random.default_rng(0)
+  rows, settings = [], []
+  for i in range(96):
+    vocab = int(rng.choice([5, 37, 300]))
+    # Every third row has coarse logits: ties inside and at both cuts.
+    row = (rng.integers(-3, 3, vocab) * 0.5 if i % 3 == 0
+           else rng.normal(0, 2, vocab)).astype(np.float32)
+    k, p = int(rng.choice([0, 1, 3, 8, 400])), float(rng.choice([1.0, 0.3, 0.6, 0.9, 0.99]))
+    rows.append(row)
+    settings.append((k, p))
+  ties = 0
+  for row, (k, p) in zip(rows, settings):
+    got = np.isfinite(processing._filter(jnp.asarray(row)[None], jnp.array([k]),
+                                         jnp.array([p], jnp.float32)))[0]
+    want = _hf_filter(row, k, p)
+    # Where transformers' sort split a tie at the nucleus's edge, the whole
+    # tie is kept: every extra token has the value of the last one it kept.
+    extra = got & ~want
+    assert not (want & ~got).any(), (k, p, row)
+    assert np.all(row[extra] == row[want].min()), (k, p, row)
+    ties += extra.any()
+  assert ties  # the coarse rows did split ties
+
+
 def _three_blocks():
   """Mass 0.25 on token 5 (block 0), 0.5 on 130 (block 1), 0.25 on 299
   (block 2, whose last 84 entries are padding); every other token 0."""

@@ -28,19 +28,24 @@ class SamplingParams:
 
 
 def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Masks (to -inf) tokens outside each row's top-k and top-p nucleus."""
+  """Masks (to -inf) tokens outside each row's top-k, then outside the top-p
+  nucleus of the renormalised top-k distribution.
+
+  As transformers' `TopKLogitsWarper` then `TopPLogitsWarper` (and vLLM):
+  top-k keeps every token at least as likely as the k-th; top-p then drops,
+  in ascending order, the tokens whose cumulative mass is <= 1 - top_p,
+  always keeping the most likely one. A token's fate depends on its value
+  only: tokens tied at a cut are kept or dropped together (transformers
+  keeps whichever of them its unstable sort puts last).
+  """
   vocab = logits.shape[-1]
-  sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+  ascending = jnp.sort(logits, axis=-1)
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-  # Nucleus: keep the smallest prefix of the sorted distribution whose mass
-  # reaches top_p (the token that crosses it is kept).
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  n_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
-  pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
-  threshold = jnp.maximum(kth, pth)
-  return jnp.where(logits >= threshold, logits, -jnp.inf)
+  kth = jnp.take_along_axis(ascending, (vocab - k)[:, None], axis=-1)
+  probs = jax.nn.softmax(jnp.where(ascending >= kth, ascending, -jnp.inf), axis=-1)
+  dropped = jnp.sum(jnp.cumsum(probs, axis=-1) <= 1.0 - top_p[:, None], axis=-1)
+  pth = jnp.take_along_axis(ascending, jnp.minimum(dropped, vocab - 1)[:, None], axis=-1)
+  return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
 
 
 # Tokens per block of the two-level draw: one lane row on a TPU.
