@@ -13,6 +13,9 @@ Three regimes (reference text, "Credit Assignment"):
 - optional group normalisation of turn-level values
   (`group_normalize_turns`), or both levels at once: `gigpo_advantages`
   adds turn-level advantages over the turns taken from the same state.
+
+Painted onto tokens (`paint_turn_values`), advantages may be whitened over
+the batch's action tokens (`whiten_token_advantages`, veRL's GAE default).
 """
 
 from __future__ import annotations
@@ -338,3 +341,32 @@ def broadcast_trajectory_values(values: jax.Array, seq_ids: jax.Array,
   chex.assert_rank(values, 1)
   return paint_turn_values(values[:, None], seq_ids,
                            jnp.where(turn_index >= 0, 0, -1))
+
+
+def whiten_token_advantages(advantages: jax.Array, action_mask: jax.Array, *,
+                            eps: float = 1e-8) -> jax.Array:
+  """Whitens per-token advantages over a batch's action tokens.
+
+  A' = (A - mean) / sqrt(var + eps) on the action tokens, 0 elsewhere; mean
+  and var over every action token of the batch (token-weighted: a turn of
+  k tokens counts k times), var unbiased (/ (n - 1)), both two-pass in
+  float32 (`masked.masked_var`). This is veRL's `compute_gae_advantage_return`:
+  `masked_whiten(advantages, response_mask)` with its default
+  `masked_var(unbiased=True)` and `rsqrt(var + 1e-8)` (shift_mean=True:
+  the mean stays subtracted). Not `masked.masked_whiten` (population std,
+  / (std + eps)). A batch of one action token whitens to 0 (veRL raises),
+  one of none to all 0.
+
+  Args:
+    advantages: [B, L] per-token advantages (`paint_turn_values`).
+    action_mask: [B, L] 1 on the action tokens (real and in the loss), else 0.
+    eps: added to the variance.
+  Returns:
+    [B, L] float32 whitened advantages, 0 off the action tokens.
+  """
+  chex.assert_rank([advantages, action_mask], 2)
+  chex.assert_equal_shape([advantages, action_mask])
+  x = advantages.astype(jnp.float32)
+  mean = masked.masked_mean(x, action_mask)
+  var = masked.masked_var(x, action_mask, unbiased=True)
+  return jnp.where(action_mask > 0, (x - mean) * jax.lax.rsqrt(var + eps), 0.0)

@@ -4,9 +4,9 @@ glibc serves allocations under its mmap threshold from the heap, and raises
 that threshold up to 32 MiB as large blocks are freed, so the host copies a
 run makes and drops (a model's weights while the train state is built, an
 orbax save, the compiler's working memory) stay mapped as free heap, and
-the next large allocation, the step's temporaries, cannot reuse them.
-Measured on the Qwen2.5-0.5B smoke run (benchmarks/smoke_run.py): 2.4 GiB
-kept after the step's compile, 1.4 GiB after building the train state.
+the next large allocation, the step's temporaries, cannot reuse them
+(what that costs a real-size run: benchmarks/smoke_run.py and its figures
+in benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ import numpy as np
 from agentrl_jax.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
-    "LOSS_AGG_MODES", "KL_KINDS", "token_logprobs", "action_positions", "action_bucket",
+    "LOSS_AGG_MODES", "KL_KINDS", "LOSS_KL_KINDS", "KL_GRADIENT", "kl_metric_name",
+    "token_logprobs", "action_positions", "action_bucket",
     "most_actions",
     "head_logprobs", "token_accuracy", "entropy", "policy_loss",
     "aggregate_loss", "aggregation_weights", "weighted_sum", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
@@ -27,7 +28,14 @@ __all__ = [
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3")
+KL_KINDS = ("k1", "k2", "k3", "k1+", "k3+")
+# Under sampling from pi, the divergence whose gradient each kind's term
+# follows in expectation (its gradient flows through log pi only): "reverse"
+# is KL(pi || pi_ref), "forward" KL(pi_ref || pi); k1's is exactly 0.
+KL_GRADIENT = {"k1": None, "k2": "reverse", "k3": "forward", "k1+": "reverse",
+               "k3+": "reverse"}
+# The kinds a loss term may use: k1's gradient regularises nothing.
+LOSS_KL_KINDS = tuple(k for k in KL_KINDS if KL_GRADIENT[k] is not None)
 # exp() of a log-ratio beyond this is inf in float32's neighbourhood; such a
 # ratio is far outside any clip range, so clamping changes no useful gradient.
 _MAX_LOG_RATIO = 20.0
@@ -353,13 +361,18 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array,
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array,
                kind: str = "k3") -> jax.Array:
-  """Per-token estimate of KL(pi_theta || pi_ref) at the sampled tokens.
+  """Per-token KL terms at tokens sampled from pi_theta.
 
   With d = ref_logprobs - logprobs = log(pi_ref / pi_theta) (Schulman,
-  "Approximating KL divergence", 2020):
-    k1 = -d                   unbiased, can be negative, high variance
-    k2 = d^2 / 2              biased, low variance, >= 0
-    k3 = exp(d) - d - 1       unbiased, low variance, >= 0 (GRPO's choice)
+  "Approximating KL divergence", 2020), the values and, as a loss term
+  whose gradient flows through log pi_theta, the expected gradient
+  (`KL_GRADIENT`; Shah et al. 2025, "A Comedy of Estimators"):
+    k1 = -d              value: unbiased KL(pi || ref); gradient 0 in expectation
+    k2 = d^2 / 2         value: biased, >= 0; gradient of KL(pi || ref)
+    k3 = exp(d) - d - 1  value: unbiased KL(pi || ref), >= 0 (GRPO's choice);
+                         gradient of KL(ref || pi), the forward KL
+    k1+, k3+             straight-through (veRL's): the value of k1 / k3, the
+                         gradient of k2, so KL(pi || ref)'s
   d is clamped to +-20 before exp, as veRL does, to keep k3 finite.
 
   Args:
@@ -373,9 +386,20 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array,
     raise ValueError(f"unknown KL estimator {kind!r}; known: {KL_KINDS}")
   chex.assert_equal_shape([logprobs, ref_logprobs])
   d = ref_logprobs.astype(jnp.float32) - logprobs.astype(jnp.float32)
+  if kind.endswith("+"):
+    value, grad = kl_penalty(logprobs, ref_logprobs, kind[:-1]), 0.5 * jnp.square(d)
+    return jax.lax.stop_gradient(value - grad) + grad
   if kind == "k1":
     return -d
   if kind == "k2":
     return 0.5 * jnp.square(d)
   d = jnp.clip(d, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
   return jnp.exp(d) - d - 1.0
+
+
+def kl_metric_name(kind: str) -> str:
+  """The logged name of a loss's KL term of `kind`: the kind and the
+  divergence its gradient follows, e.g. "kl_k3_grad_forward"."""
+  if KL_GRADIENT.get(kind) is None:
+    raise ValueError(f"{kind!r} is no loss term's KL kind; known: {LOSS_KL_KINDS}")
+  return f"kl_{kind}_grad_{KL_GRADIENT[kind]}"

@@ -23,11 +23,19 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
   return jnp.where(count > 0, total / jnp.maximum(count, 1e-8), 0.0)
 
 
-def masked_var(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-  """Population variance of the masked entries (0 where nothing is masked in)."""
+def masked_var(x: jax.Array, mask: jax.Array, axis=None, *,
+               unbiased: bool = False) -> jax.Array:
+  """Variance of the masked entries, two-pass (the mean first): population
+  (/ n), or with `unbiased` Bessel's / (n - 1), the default of veRL's and
+  TRL's `masked_var`. 0 where nothing is masked in; 0 for one entry (veRL
+  raises there)."""
   mean = masked_mean(x, mask, axis)
   mean = mean if axis is None else jnp.expand_dims(mean, axis)
-  return masked_mean(jnp.square(x - mean), mask, axis)
+  var = masked_mean(jnp.square(x - mean), mask, axis)
+  if not unbiased:
+    return var
+  n = jnp.sum(jnp.broadcast_to(mask, x.shape).astype(jnp.float32), axis=axis)
+  return var * n / jnp.maximum(n - 1, 1.0)
 
 
 def masked_whiten(x: jax.Array, mask: jax.Array, *, shift_mean: bool = True,

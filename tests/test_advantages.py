@@ -404,6 +404,35 @@ def test_broadcast_and_out_of_range_turns():
   assert np.isfinite(painted[1:]).all()
 
 
+def _whiten_f64(a, mask):
+  """veRL's masked_whiten in float64: unbiased variance, rsqrt(var + 1e-8)."""
+  sel = a[mask > 0].astype(np.float64)
+  return np.where(mask > 0, (a - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8), 0.0)
+
+
+def test_whiten_token_advantages_by_hand_and_against_float64():
+  # Action tokens 1, 2, 3, 6 among off-action ones and a padding row:
+  # mean 3, unbiased variance (4 + 1 + 0 + 9) / 3 = 14 / 3.
+  a = np.array([[1.0, 2.0, 9.0], [0.0, 0.0, 0.0], [3.0, -5.0, 6.0]], np.float32)
+  m = np.array([[1, 1, 0], [0, 0, 0], [1, 0, 1]], np.float32)
+  s = (14 / 3) ** 0.5
+  np.testing.assert_allclose(adv.whiten_token_advantages(a, m),
+                             [[-2 / s, -1 / s, 0], [0, 0, 0], [0, 0, 3 / s]], rtol=1e-6)
+  # Random rows far from 0, two of them padding: the population variance
+  # would be off by 0.012 here, a one-pass E[x^2] - E[x]^2 in float32 by 0.26.
+  rng = np.random.default_rng(0)
+  a = (100.0 + 0.1 * rng.normal(size=(6, 50))).astype(np.float32)
+  m = (rng.uniform(size=a.shape) < 0.6).astype(np.float32)
+  m[[1, 4]] = 0.0
+  np.testing.assert_allclose(adv.whiten_token_advantages(a, m), _whiten_f64(a, m),
+                             atol=1e-3)
+  # One action token whitens to 0 (veRL raises); none leaves all 0, no NaN.
+  one = np.zeros_like(m)
+  one[2, 3] = 1.0
+  assert np.all(np.asarray(adv.whiten_token_advantages(a, one)) == 0)
+  assert np.all(np.asarray(adv.whiten_token_advantages(a, 0 * m)) == 0)
+
+
 def test_jit_equals_eager_and_traces_once():
   rng = np.random.default_rng(6)
   counts, mask, rewards = _random_turns(rng)

@@ -142,7 +142,7 @@ def test_qwen_config_trains_end_to_end_with_the_real_vocabulary(tmp_path, qwen_t
     ("rl.credit", "grpoo", "rl.credit = 'grpoo' must be one of ('grpo',"),
     ("algorithm", "ppo", "algorithm = 'ppo' must be one of ('', 'grpo',"),
     ("loss.agg", "mean", "loss.agg = 'mean' must be one of ('token-mean',"),
-    ("loss.kl_kind", "k4", "loss.kl_kind = 'k4' must be one of ('k1',"),
+    ("loss.kl_kind", "k1", "loss.kl_kind = 'k1' must be one of ('k2', 'k3', 'k1+', 'k3+')"),
     ("loss.is_correction", "is", "loss.is_correction = 'is' must be one of ('none',"),
     ("loss.temperature", 0.0, "loss.temperature = 0.0 must be > 0"),
     ("rl.max_staleness", -1, "rl.max_staleness = -1 must be >= 0"),
@@ -166,6 +166,11 @@ def test_bad_flags_fail_before_any_work(tmp_path, field, value, message):
 
 @pytest.mark.parametrize("fields, message", [
     ({"rl.max_staleness": 1}, "set loss.is_correction='tis'"),
+    ({"rollout.temperature": 1.3}, "rollout.temperature=1.3 samples another distribution "
+     "than the policy the loss trains (loss.temperature=1.0)"),
+    ({"rollout.top_p": 0.9}, "rollout.top_k=0, rollout.top_p=0.9 sample a filtered"),
+    ({"rl.buckets": (256, 384)}, "buckets=(256, 384) must hold a full episode: the largest "
+     "entry >= the context budget (512 tokens)"),
     ({"sft.stop_at_success": 0.5, "sft.num_demos": 390},
      "sft.check_tasks = 32 must be >= 1 and fit after sft.num_demos in env.num_train_tasks"),
     ({"rl.overlong_buffer": "cache_length"}, "must be below the context budget"),

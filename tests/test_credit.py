@@ -118,6 +118,35 @@ def test_gae_under_a_sliding_window_reads_each_turn_in_its_own_view(starts,
     assert bootstrap[0] == 120.0
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_gae_whitened_over_the_batchs_action_tokens_against_float64(pack):
+  trajs = _trajs()
+  trajs[2].context_starts = [1, 1, 3]  # turn 1 again in view 1, as context (mask 0)
+  batch = collate(trajs, buckets=(32,), pack=pack, num_rows=6)  # with padding rows
+  token_values = np.random.default_rng(0).normal(size=batch.tokens.shape).astype(np.float32)
+  kw = dict(gamma=0.9, lam=0.8, num_turns=3, token_values=token_values)
+  plain = credit.assign("gae", trajs, batch, **kw)
+  got = credit.assign("gae", trajs, batch, whiten=True, **kw)
+  values, bootstrap = credit.turn_values_from_tokens(token_values, batch, 4, 3)
+  turn_rewards, mask = turn_arrays(trajs, 3)
+  a, _ = adv.gae_over_turns(turn_rewards, values * mask, mask,
+                            np.array([True, True, False, True]), 0.9, 0.8, bootstrap)
+  a = np.asarray(a, np.float64)
+  # Token-weighted, each action token once: turn k has k + 2 tokens, 21 in all.
+  weights = mask * np.array([2.0, 3.0, 4.0])
+  assert weights.sum() == got.loss_mask.sum() == 21
+  mean = (weights * a).sum() / 21
+  var = (weights * (a - mean) ** 2).sum() / 20
+  want = (a - mean) / np.sqrt(var + 1e-8)
+  for i, n in enumerate([2, 1, 3, 2]):
+    assert _per_turn(plain, i) == pytest.approx(list(a[i, :n]), rel=1e-5, abs=1e-6)
+    assert _per_turn(got, i) == pytest.approx(list(want[i, :n]), rel=1e-5, abs=1e-6)
+  assert np.all(got.advantages[got.loss_mask == 0] == 0)
+  # The value targets are the unwhitened GAE returns.
+  assert np.count_nonzero(got.returns) > 0
+  np.testing.assert_array_equal(got.returns, plain.returns)
+
+
 def test_branching_values_from_group_members_and_continuations_by_hand():
   trajs = _trajs()  # rewards A [0, 1], B [.5] (group 0); C [0, 0, 1] truncated, D [.2, 0]
   def continuation(rewards):

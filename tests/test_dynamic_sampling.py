@@ -163,7 +163,7 @@ def test_top_variance_frac_trains_the_groups_whose_rewards_spread_most(frac, kep
   three = dict(actions=(1, 1, 1), truncated=(False,) * 3)
   tasks = [_task("flat", (1.0, 1.0, 1.0), **three), _task("spread_a", (0.0, 1.0, 0.0), **three),
            _task("half", (0.0, 0.5, 0.0), **three), _task("spread_b", (1.0, 0.0, 0.0), **three)]
-  engine, step = ScriptedEngine(), RecordingStep()
+  engine, step = ScriptedEngine(max_context=16), RecordingStep()
   trainer = rl.RLTrainer(engine, step, types.SimpleNamespace(params=None, model_params=None),
                          rl.RLConfig(group_size=3, tasks_per_iteration=4, buckets=(16,),
                                      top_variance_frac=frac))

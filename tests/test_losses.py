@@ -1,12 +1,14 @@
 """Tests for agentrl_jax.losses against hand counts and plain loops."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentrl_jax import losses
+from agentrl_jax import losses, train
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
 
 
@@ -165,7 +167,7 @@ def test_all_zero_mask_gives_zero_and_finite_grad(mode):
 def test_unknown_names_list_known_ones():
   with pytest.raises(ValueError, match="known: \\('token-mean'"):
     losses.aggregate_loss(jnp.zeros((1, 2)), jnp.ones((1, 2)), "sum")
-  with pytest.raises(ValueError, match="known: \\('k1', 'k2', 'k3'\\)"):
+  with pytest.raises(ValueError, match=re.escape("known: ('k1', 'k2', 'k3', 'k1+', 'k3+')")):
     losses.kl_penalty(jnp.zeros((1, 2)), jnp.zeros((1, 2)), "k4")
   with pytest.raises(ValueError, match="dual_clip must be > 1"):
     losses.policy_loss(*[jnp.zeros((1, 2))] * 4, dual_clip=0.5)
@@ -264,9 +266,46 @@ def test_k3_is_unbiased_for_the_true_kl():
   q = np.array([0.2, 0.2, 0.6])
   kl = (p * np.log(p / q)).sum()
   lp, ref = np.log(p)[None], np.log(q)[None]
-  for kind in ("k1", "k3"):
+  for kind in ("k1", "k3", "k1+", "k3+"):
     est = (p * np.asarray(losses.kl_penalty(lp, ref, kind))[0]).sum()
     np.testing.assert_allclose(est, kl, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", losses.KL_KINDS)
+def test_each_kl_kinds_expected_gradient_is_its_divergences(kind):
+  # A categorical policy pi = softmax(theta) over 6 tokens and a reference;
+  # the term's expected gradient by exact enumeration, E_{x ~ pi}[grad
+  # k(x)] = sum_x pi(x) grad k(x) (the samples' weights are data: no
+  # gradient through them), against the closed forms in float64:
+  # grad KL(pi || ref) = pi * (log(pi / ref) - KL(pi || ref)),
+  # grad KL(ref || pi) = pi - ref (softmax's Jacobian), and 0 for k1.
+  rng = np.random.default_rng(3)
+  theta, phi = rng.normal(size=6), rng.normal(size=6)
+  log_pi = theta - np.log(np.exp(theta).sum())
+  log_ref = phi - np.log(np.exp(phi).sum())
+  pi, ref = np.exp(log_pi), np.exp(log_ref)
+
+  def expected(t):
+    lp = jax.nn.log_softmax(t)
+    weights = jax.lax.stop_gradient(jnp.exp(lp))
+    return jnp.sum(weights * losses.kl_penalty(lp[None], jnp.asarray(log_ref)[None], kind)[0])
+
+  got = np.asarray(jax.grad(expected)(jnp.asarray(theta, jnp.float32)), np.float64)
+  reverse = pi * (log_pi - log_ref - np.sum(pi * (log_pi - log_ref)))
+  want = {None: np.zeros(6), "reverse": reverse, "forward": pi - ref}[losses.KL_GRADIENT[kind]]
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert np.abs(reverse - (pi - ref)).max() > 0.05  # the two directions differ here
+  if losses.KL_GRADIENT[kind] is None:
+    with pytest.raises(ValueError, match="no loss term's KL kind"):
+      losses.kl_metric_name(kind)
+  else:
+    assert losses.kl_metric_name(kind) == f"kl_{kind}_grad_{losses.KL_GRADIENT[kind]}"
+
+
+def test_a_loss_refuses_k1():
+  with pytest.raises(ValueError, match="k1's expected gradient is 0"):
+    train.LossConfig(kl_kind="k1", kl_beta=0.1)
+  train.LossConfig(kl_kind="k1+", kl_beta=0.1)
 
 
 # -- Batches: padding, jit, retracing ----------------------------------------------------------

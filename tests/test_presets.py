@@ -193,22 +193,28 @@ def test_the_command_line_preset_keeps_explicit_flags(tmp_path):
   assert (written["loss"]["clip_low"], written["loss"]["agg"]) == (0.2, "seq-mean-token-mean")
 
 
-def test_the_ablation_loads_a_lora_runs_adapters_over_its_base(tmp_path):
+def test_the_ablation_loads_a_lora_run_saved_with_and_without_its_kl_reference(tmp_path):
   import jax  # pylint: disable=import-outside-toplevel
   from agentrl_jax import checkpointing  # pylint: disable=import-outside-toplevel
   cfg = credit_ablation.config("grpo", 0, "tiny")
   cfg.model.lora.rank = 2
   policy = credit_ablation._Policy(cfg)  # pylint: disable=protected-access
   tx = train.make_optimizer(train.OptimConfig(**cfg.rl_optim))
-  _, state = train.init_train_state(policy.model, tx, with_reference=False)
-  # Trained adapters: lora_b starts at zero, so a model without them differs.
-  state = state.replace(params=jax.tree.map(lambda x: x + 0.01, state.params))
+  _, state = train.init_train_state(policy.model, tx, with_reference=True)
+  # As an ablation saves them: the shared SFT start without a KL reference
+  # (grpo's kl_beta 0), an arm's RL step with one (kl_beta > 0); trained
+  # adapters (B off its zero start).
+  states = {0: state.replace(params=jax.tree.map(lambda x: x + 0.01, state.params),
+                             ref_params=None),
+            3: state.replace(params=jax.tree.map(lambda x: x - 0.02, state.params))}
   with checkpointing.Checkpointer(tmp_path / "checkpoints") as ckpt:
-    ckpt.save(3, train.checkpointed(state), {})
-  loaded = policy.load(tmp_path)
-  want = jax.tree.leaves(state.model_params)
-  assert len(jax.tree.leaves(loaded)) == len(want) > len(jax.tree.leaves(state.params))
-  for got, expected, sampled in zip(jax.tree.leaves(loaded), want,
-                                    jax.tree.leaves(policy.sampler.params)):
-    np.testing.assert_array_equal(got, expected)
-    np.testing.assert_array_equal(sampled, expected)
+    for step, saved in states.items():
+      ckpt.save(step, train.checkpointed(saved), {})
+  for step, saved in ((0, states[0]), (None, states[3])):  # None: the latest
+    loaded = policy.load(tmp_path, step)
+    want = jax.tree.leaves(saved.model_params)
+    assert len(jax.tree.leaves(loaded)) == len(want) > len(jax.tree.leaves(state.params))
+    for got, expected, sampled in zip(jax.tree.leaves(loaded), want,
+                                      jax.tree.leaves(policy.sampler.params)):
+      np.testing.assert_array_equal(got, expected)
+      np.testing.assert_array_equal(sampled, expected)

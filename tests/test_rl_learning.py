@@ -11,6 +11,7 @@ is seeded and the rollout runs in lockstep: the test is deterministic.
 
 import itertools
 import random
+import re
 import types
 import warnings
 
@@ -347,7 +348,7 @@ def _packed_episodes() -> TokenBatch:
   adv = np.where(mask > 0, np.where(seq == 0, 0.5, -1.0), 0.0).astype(np.float32)
   zeros = np.zeros_like(seq)
   return TokenBatch(tokens=zeros, loss_mask=mask, old_logprobs=mask * -0.3,
-                    advantages=adv, turn_index=turn, seq_ids=seq, positions=zeros,
+                    sampling_logprobs=mask * -0.3, advantages=adv, turn_index=turn, seq_ids=seq, positions=zeros,
                     returns=mask * 0)
 
 
@@ -377,30 +378,98 @@ def test_observation_tokens_in_the_loss_start_no_turn():
 def test_a_loss_at_the_sampling_temperature_starts_its_ratios_at_one():
   tasks = LookupEnv.tasks("train", 2, 0)
   # Sampled at 2 (the same episodes: same weights, same seed). A loss at
-  # temperature 1 reads the sampler's temperature-1 log-probs; one at 2
-  # trains the distribution sampled from, the sampler reporting its
-  # log-probs. Either way the trainer's forward agrees with the sampler.
-  batches = []
-  for temperature in (1.0, 2.0):
-    trainer = _trainer({"temperature": 2.0}, {}, {"temperature": temperature},
+  # temperature 2 trains the distribution sampled from; one at 1 reads the
+  # sampler's temperature-1 log-probs and importance-weights the tokens
+  # (TIS) by the temperature-2 ones they were drawn with. Either way the
+  # trainer's forward agrees with the sampler.
+  batches, weights = [], []
+  for temperature, correction in ((1.0, "tis"), (2.0, "none")):
+    trainer = _trainer({"temperature": 2.0}, {},
+                       {"temperature": temperature, "is_correction": correction},
                        policy_temperature=temperature)
     m = trainer.iteration(tasks, 1, record=True)
     assert m["train/logprob_gap_max_abs"] < 1e-3 and m["train/skipped_updates"] == 0
     batches.append(trainer.recorded.batch)
-  np.testing.assert_array_equal(batches[0].tokens, batches[1].tokens)
-  on = batches[0].loss_mask > 0
-  assert np.abs(batches[0].old_logprobs[on] - batches[1].old_logprobs[on]).mean() > 0.05
+    weights.append(m.get("train/tis_weight_mean"))
+  tis, on_policy = batches
+  np.testing.assert_array_equal(tis.tokens, on_policy.tokens)
+  on = tis.loss_mask > 0
+  assert np.abs(tis.old_logprobs[on] - on_policy.old_logprobs[on]).mean() > 0.05
+  # Both record the temperature-2 log-probs the tokens were drawn with.
+  np.testing.assert_allclose(tis.sampling_logprobs, on_policy.old_logprobs, atol=1e-5)
+  np.testing.assert_allclose(on_policy.sampling_logprobs, on_policy.old_logprobs, atol=1e-5)
+  # The weights exp(trainer - sampling) see the two temperatures' gap (their
+  # mean under the sampling distribution is about 1).
+  assert np.abs(tis.old_logprobs[on] - tis.sampling_logprobs[on]).mean() > 0.05
+  assert 0.5 < weights[0] < 1.5 and weights[1] is None
   with pytest.raises(ValueError, match="policy_temperature=2.0"):
-    _trainer({}, {}, {"temperature": 2.0})
+    _trainer({"temperature": 2.0}, {}, {"temperature": 2.0})
+
+
+@pytest.mark.parametrize("rollout_kw, loss_kw, message", [
+    ({"temperature": 1.3}, {}, "rollout.temperature=1.3 samples another distribution than "
+     "the policy the loss trains (loss.temperature=1.0): set loss.temperature=1.3"),
+    ({"temperature": 0.0}, {}, "rollout.temperature=0.0 samples another distribution"),
+    ({"top_k": 4}, {}, "rollout.top_k=4, rollout.top_p=1.0 sample a filtered distribution"),
+    ({"top_p": 0.9}, {"temperature": 1.0}, "rollout.top_k=0, rollout.top_p=0.9 sample a "
+     "filtered distribution"),
+])
+def test_sampling_another_distribution_than_the_trained_policy_needs_tis(
+    rollout_kw, loss_kw, message):
+  with pytest.raises(ValueError, match=re.escape(message) + ".*loss.is_correction='tis'"):
+    _trainer(rollout_kw, {}, loss_kw)
+  _trainer(rollout_kw, {}, {**loss_kw, "is_correction": "tis"})  # corrected: runs
 
 
 def test_a_filtered_sampler_warns_that_the_loss_trains_the_unfiltered_policy():
   for rollout_kw in ({"top_k": 4}, {"top_p": 0.9}):
     with pytest.warns(RuntimeWarning, match="loss trains the unfiltered policy"):
-      _trainer(rollout_kw, {})
+      _trainer(rollout_kw, {}, {"is_correction": "tis"})
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     _trainer({"top_k": 0, "top_p": 1.0}, {})
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_prompt_that_does_not_fit_is_dropped_before_the_update(staleness):
+  # The cache (128) is the largest bucket. The long task's prompt, its
+  # observation cut to 256 tokens, fits neither: its episodes end at reset,
+  # are counted and named, and the other task's group trains.
+  tasks = [LookupEnv.tasks("train", 1, 0)[0], Task("long", "word " * 400, {"label": "left"})]
+  trainer = _trainer({}, {"max_staleness": staleness},
+                     {"is_correction": "tis"} if staleness else {})
+  with pytest.warns(RuntimeWarning, match=re.escape(
+      "1 task(s) have a prompt that leaves no room for rollout.min_action_tokens=1 in "
+      "the 128-token context: ['long']; their episodes are dropped")):
+    m = trainer.iteration(tasks, 1, upcoming=lambda j: None)
+  trainer.close()
+  assert m["rollout/ended/prompt_too_long"] == 2 and m["rollout/episodes"] == 2
+  assert m["train/batch_tokens"] > 0 and m["train/skipped_updates"] == 0
+  refusing = _trainer({"long_prompts": "error"}, {})
+  with pytest.raises(ValueError, match=re.escape("128-token context: ['long'] "
+                                                 "(rollout.long_prompts='error'")):
+    refusing.iteration(tasks, 1)
+
+
+def test_whitened_gae_advantages_reach_the_step():
+  tasks = LookupEnv.tasks("train", 2, 0)
+  trainer = _trainer({}, {"credit": "gae", "gamma": 0.9, "whiten_advantages": True},
+                     {"value_coef": 0.5}, value_head=True)
+  trainer.iteration(tasks, 1, record=True)
+  batch = trainer.recorded.batch
+  on = (batch.loss_mask > 0) & (batch.seq_ids >= 0)
+  a = batch.advantages[on].astype(np.float64)
+  assert abs(a.mean()) < 1e-5 and abs(a.std(ddof=1) - 1.0) < 1e-3
+  assert np.all(batch.advantages[~on] == 0)
+  with pytest.raises(ValueError, match="whiten_advantages cannot run with filter_zero_variance"):
+    rl.RLConfig(whiten_advantages=True, filter_zero_variance=True)
+
+
+def test_the_reset_observation_is_cut_like_any_other():
+  engine = _trainer({"max_observation_tokens": 16}, {}).engine
+  (traj, _) = engine.run([Task("long", "word " * 400, {"label": "left"})], 2).trajectories
+  prompt = engine.tok.decode(traj.segments[0].token_ids)
+  assert "word word" in prompt and "...[truncated" in prompt and len(traj.segments[0]) < 100
 
 
 def test_observation_loss_trains_on_observations_with_the_trainers_old_logprobs():
@@ -419,3 +488,7 @@ def test_observation_loss_trains_on_observations_with_the_trainers_old_logprobs(
   # at 1 there: the rollout-vs-trainer gap stays what it is on actions
   # (old log-probs of 0 would put it at -log p of an observation token).
   assert m["train/logprob_gap_max_abs"] < 1e-3 and m["train/skipped_updates"] == 0
+  # Their sampling log-probs too: TIS weighs them 1.
+  added = (batch.loss_mask > 0) & (batch.turn_index < 0)
+  assert added.any() and np.all(batch.old_logprobs[added] < 0)
+  np.testing.assert_array_equal(batch.sampling_logprobs[added], batch.old_logprobs[added])

@@ -340,11 +340,16 @@ def long_sampler(model):
                  length_buckets=(32, 128, 512))
 
 
-def test_a_prompt_longer_than_the_cache_truncates_the_episode(tok, sampler):
+def test_a_prompt_longer_than_the_cache_is_dropped_at_reset(tok, sampler):
   engine = RolloutEngine(CountdownEnv, tok, T.CHATML, sampler,
                          RolloutConfig(max_action_tokens=8, system_prompt="x " * 300))
-  (t,) = engine.run(_tasks(1)).trajectories
-  assert t.truncated and t.metadata["stop_reason"] == "context" and t.num_turns == 0
+  with pytest.warns(RuntimeWarning, match="no room for rollout.min_action_tokens=1"):
+    result = engine.run(_tasks(1))
+  assert result.trajectories == [] and result.metrics["ended/prompt_too_long"] == 1
+  (failed,) = result.failed
+  assert failed["stop_reason"] == "prompt_too_long"
+  assert "leaves no room for 1 action tokens in 256" in failed["env_error"]
+  assert sorted(engine._free) == list(range(sampler.num_slots))  # no slot was taken
 
 
 @pytest.mark.parametrize("name", ["search_qa", "calculator", "frozen_lake", "python_tool",

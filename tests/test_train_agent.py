@@ -93,7 +93,7 @@ def test_a_lora_run_trains_its_adapters_and_resumes_from_them(tmp_path):
   assert _metrics(straight) == _metrics(resumed)  # the base rebuilt from the seed
   # The KL term runs against the adapters' start (its value: no update has
   # signal at this size, so it stays 0).
-  assert sum("train/kl" in m for m in _metrics(straight)) == 2
+  assert sum("train/kl_k3_grad_forward" in m for m in _metrics(straight)) == 2
   # The checkpoint holds the adapters (A and B) and their moments, never the
   # base; training moved every B off its zero start (SFT does on this task).
   with checkpointing.Checkpointer(straight / "checkpoints") as ckpt:
@@ -122,7 +122,7 @@ def test_a_kl_run_resumes_a_checkpoint_saved_without_a_reference(tmp_path):
   # The reference is the policy RL started from: before the first update
   # (the logged epoch) the policy is still it, so the KL is 0.
   (first,) = [m for m in _metrics(tmp_path) if m["step"] == 1]
-  assert first["train/kl"] == 0.0
+  assert first["train/kl_k3_grad_forward"] == 0.0
   _run(tmp_path, 2)  # saved with a reference, resumed without one
   # Past iteration 0 the start policy is gone: a clear error, not a corrupt one.
   out = subprocess.run(_command(tmp_path, 3, kl), cwd=ROOT, capture_output=True,

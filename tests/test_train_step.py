@@ -38,8 +38,9 @@ def _logprobs(model, batch):
 
 
 def _exact_sampler(model, batch):
-  """`batch` with the model's own log-probs as the sampler's."""
-  return batch.replace(old_logprobs=np.where(batch.loss_mask > 0, _logprobs(model, batch), 0.0))
+  """`batch` with the model's own log-probs as the sampler's (sampling the policy)."""
+  lp = np.where(batch.loss_mask > 0, _logprobs(model, batch), 0.0)
+  return batch.replace(old_logprobs=lp, sampling_logprobs=lp)
 
 
 def _run(model, cfg, batch, tx=None, steps=1):
@@ -155,8 +156,10 @@ def test_logprob_gap_and_truncated_importance_sampling(model):
   ent = -(np.exp(logp) * logp).sum(-1)
   on = np.roll(batch.loss_mask, -1, axis=1) > 0
   np.testing.assert_allclose(m["policy_entropy"], ent[on].mean(), rtol=1e-6)
-  # The sampler was 0.5 nats more confident than the trainer on every token.
-  shifted = exact.replace(old_logprobs=exact.old_logprobs + 0.5 * exact.loss_mask)
+  # The sampler was 0.5 nats more confident than the trainer on every token
+  # (it sampled its own policy).
+  shifted = exact.replace(old_logprobs=exact.old_logprobs + 0.5 * exact.loss_mask,
+                          sampling_logprobs=exact.sampling_logprobs + 0.5 * exact.loss_mask)
   _, _, m, _ = _run(model, train.LossConfig(), shifted)
   np.testing.assert_allclose(m["logprob_gap_mean_abs"], 0.5, rtol=1e-4)
   np.testing.assert_allclose(m["ratio_mean"], np.exp(-0.5), rtol=1e-4)
@@ -165,12 +168,30 @@ def test_logprob_gap_and_truncated_importance_sampling(model):
   # TIS: ratios against the trainer's own log-probs (1), weights min(e^-0.5, cap).
   _, after_tis, m, _ = _run(model, train.LossConfig(is_correction="tis"), shifted)
   np.testing.assert_allclose(m["ratio_mean"], 1.0, rtol=1e-4)
+  np.testing.assert_allclose(m["tis_weight_mean"], np.exp(-0.5), rtol=1e-4)
+  assert float(m["tis_capped_frac"]) == 0.0
   _, after_exact, _, _ = _run(model, train.LossConfig(), exact)
   # With all ratios 1 the TIS gradient is the exact one scaled by e^-0.5.
-  d_tis = jax.tree.map(lambda a, b: a - b, params, after_tis.params)
   d_exact = jax.tree.map(lambda a, b: a - b, params, after_exact.params)
-  for a, b in zip(jax.tree.leaves(d_tis), jax.tree.leaves(d_exact)):
-    np.testing.assert_allclose(a, np.exp(-0.5) * b, rtol=1e-3, atol=1e-7)
+
+  def assert_scaled(after, scale):
+    d = jax.tree.map(lambda a, b: a - b, params, after.params)
+    for a, b in zip(jax.tree.leaves(d), jax.tree.leaves(d_exact)):
+      np.testing.assert_allclose(a, scale * b, rtol=1e-3, atol=1e-7)
+
+  assert_scaled(after_tis, np.exp(-0.5))
+  # The weights' behaviour term is the distribution the tokens were drawn
+  # from, not the policy's log-probs the sampler recorded beside it: a
+  # sampler that drew from a flatter distribution (1 nat less on every
+  # token) while the policy's log-probs are exact gets weights min(e, 2).
+  flat = exact.replace(sampling_logprobs=exact.sampling_logprobs - exact.loss_mask)
+  _, after_flat, m, _ = _run(model, train.LossConfig(is_correction="tis"), flat)
+  np.testing.assert_allclose(m["tis_weight_mean"], 2.0, rtol=1e-4)
+  assert float(m["tis_capped_frac"]) == 1.0
+  assert_scaled(after_flat, 2.0)
+  _, after_none, m, _ = _run(model, train.LossConfig(), flat)  # no weights
+  np.testing.assert_allclose(m["ratio_mean"], 1.0, rtol=1e-4)
+  assert_scaled(after_none, 1.0)
 
 
 def test_later_ppo_epochs_keep_the_first_epochs_behaviour_logprobs(model):
@@ -308,7 +329,7 @@ def test_the_loss_at_a_temperature_is_the_tempered_policys_in_every_term(model):
   want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params)
   _, got, m, _ = _run(model, cfg, batch, tx=_CAPTURE)
   np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-6)
-  assert abs(float(m["kl"])) < 1e-6
+  assert abs(float(m["kl_k3_grad_forward"])) < 1e-6
   scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
   for g, w in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)

@@ -96,6 +96,28 @@ def test_segment_validation():
     Segment(Role.SYSTEM, [-1])
   with pytest.raises(TypeError, match="Role"):
     Segment("assistant", [1])
+  with pytest.raises(ValueError, match="2 tokens but 1 sampling_logprobs"):
+    Segment(Role.ASSISTANT, [1, 2], [-0.5, -0.1], [-0.5])
+  with pytest.raises(ValueError, match="sampling_logprobs without logprobs"):
+    Segment(Role.ASSISTANT, [1], None, [-0.5])
+
+
+def test_sampling_logprobs_travel_with_their_tokens():
+  # Turn 0 drawn from a filtered distribution, turn 1 from the policy itself
+  # (no sampling log-probs: the policy's stand in).
+  traj = Trajectory([Segment(Role.SYSTEM, [1, 2]),
+                     Segment(Role.ASSISTANT, [3, 4], [-1.0, -2.0], [-0.5, -0.25]),
+                     Segment(Role.OBSERVATION, [5]),
+                     Segment(Role.ASSISTANT, [6], [-3.0])], reward=1.0)
+  batch = collate([traj], buckets=(8,))
+  np.testing.assert_array_equal(batch.old_logprobs[0], [0, 0, -1, -2, 0, -3, 0, 0])
+  np.testing.assert_array_equal(batch.sampling_logprobs[0],
+                                [0, 0, -0.5, -0.25, 0, -3, 0, 0])
+  cut = trajectory.truncate_to(traj, 3)
+  assert cut.segments[1].sampling_logprobs == (-0.5,)
+  prompt, steps = traj.to_steps()
+  back = Trajectory.from_steps(prompt, steps, reward=1.0, terminated=False, truncated=False)
+  assert back.segments == traj.segments
 
 
 @pytest.mark.parametrize("traj, match", [

@@ -132,8 +132,8 @@ def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
 class _Linear(nnx.Linear):
   """nnx.Linear on a 2-D view: the weight gradient of an [..., din] input
   contracts over every leading axis, and XLA:CPU runs a dot with several
-  contracting axes on a slow generic path (the tiny model's forward +
-  backward took 197 ms instead of 150).
+  contracting axes on a slow generic path (the step's time:
+  benchmarks/README.md).
 
   `lora`: None, or an `nnx.LoRA` adapter that `models.lora.add_adapters`
   attaches: y = x W + b + lora_scale * (x A) B, unmerged, in the compute
@@ -210,8 +210,8 @@ class Attention(nnx.Module):
       cache_kv = (k, v)
     else:
       k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    # Head-major layout ([B, KV, G, L, D] x [B, KV, S, D]): ~1.7x faster
-    # than contracting in the token-major layout on XLA:CPU.
+    # Head-major layout ([B, KV, G, L, D] x [B, KV, S, D]): faster than
+    # contracting in the token-major layout on XLA:CPU (benchmarks/README.md).
     q = q.reshape(b, l, kv, g, hd).transpose(0, 2, 3, 1, 4)
     if cache_kv is not None:
       out = _attention(q, k, v, mask, self.denom, cfg.attn_logit_softcap, "bkds")[0]
@@ -219,8 +219,8 @@ class Attention(nnx.Module):
     else:
       # Training rows are causal in index order, so a block of queries needs
       # the keys up to its own end only: the masked upper triangle is
-      # skipped (4 blocks of a 256-token row compute 62% of the scores;
-      # the tiny model's forward + backward takes 12% less).
+      # skipped (4 blocks of a 256-token row compute 10 of its 16 score
+      # tiles; the step's time: benchmarks/README.md).
       edges = _query_blocks(l)
       out = jnp.concatenate(
           [_attend(q[:, :, :, a:e], k[:, :, :e], v[:, :, :e], mask[:, a:e, :e],
@@ -243,8 +243,8 @@ def _attend(q, k, v, mask, denom, softcap):
   Scores are q.k / denom, soft-capped to softcap * tanh(scores / softcap)
   if softcap is not None (Gemma 2), then masked. Its backward is written out
   (`_attend_bwd`): the autodiff one contracts the key gradients over two
-  axes (G and L) and sums dP * P over the keys; this one takes 2x less time
-  on XLA:CPU (the tiny model's step: 11% less).
+  axes (G and L) and sums dP * P over the keys; this one is faster on
+  XLA:CPU (benchmarks/README.md).
   """
   return _attend_fwd(q, k, v, mask, denom, softcap)[0]
 

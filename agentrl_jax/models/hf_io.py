@@ -12,6 +12,7 @@ transposed (torch Linear stores [out, in]); `embed_tokens.embedding` is
 norm weights are stored as transformers stores them (the w of 1 + w). The
 optional value head is ours, not HF's: it is saved next to the
 export as `value_head.safetensors` and loaded from there when present.
+LoRA adapters have no HF name: an adapted model exports merged.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import safetensors
 import safetensors.numpy
 
 from agentrl_jax.models import config as config_lib
+from agentrl_jax.models import lora
 from agentrl_jax.models.decoder import Decoder
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -151,10 +153,15 @@ def save_pretrained(model: Decoder, out_dir: str | os.PathLike, *,
 
   Writes config.json and model.safetensors (sharded with an index past
   4 GiB), in the parameter dtype; the value head, if any, goes to
-  `value_head.safetensors`. Pass the original `hf_config` (e.g.
-  `transformers.AutoConfig.from_pretrained(src)`) to keep fields we don't
-  model, such as token ids.
+  `value_head.safetensors`. A model with LoRA adapters is written merged
+  (`lora.merge`: each kernel W + (alpha / r) A B, in W's dtype), the
+  function it computes: transformers has no name for separate adapters
+  and would load the bare base without an error. Pass the original
+  `hf_config` (e.g. `transformers.AutoConfig.from_pretrained(src)`) to
+  keep fields we don't model, such as token ids.
   """
+  if lora.has_adapters(model):
+    model = lora.merge(model)
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   base = hf_config.to_dict() if hf_config is not None else None

@@ -6,7 +6,8 @@ in `cfg.target_modules`; the linear then computes x W + b + (alpha / r) x A B
 (`decoder._Linear`). Adapters are `nnx.LoRAParam`s in float32 whatever the
 base's dtype. `TRAINABLE` selects what a LoRA run trains: the adapters and
 the value head (small, and new: it has no base to adapt). `merge` folds the
-adapters into the kernels, W + (alpha / r) A B, for an HF export.
+adapters into the kernels, W + (alpha / r) A B: `save_pretrained` exports
+an adapted model so, as the plain decoder HF loaders know.
 
 Not qwix: its LoRA intercepts `jax.lax.dot_general` while the model's method
 runs, and the backward pass of `models.decoder.remat` recomputes each layer

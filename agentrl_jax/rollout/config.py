@@ -38,6 +38,13 @@ class RolloutConfig:
   # None: append-only (every turn stays in the cache; KV reuse).
   context_window: int | None = None
   max_context: int = 4096  # tokens per episode without a sampler (expert mode)
+  # A prompt (system turn, tools and the reset observation, cut to
+  # max_observation_tokens) must leave room for this many action tokens in
+  # the context; one that does not is "drop"ped (its episodes counted in
+  # ended/prompt_too_long, its task ids in one warning per call) or
+  # refused ("error": the call raises, naming them).
+  min_action_tokens: int = 1
+  long_prompts: str = "drop"
 
   def __post_init__(self):
     check_fields(self, [
@@ -46,4 +53,6 @@ class RolloutConfig:
         ("env_workers", self.env_workers >= 1, "must be >= 1"),
         ("context_window", self.context_window is None or self.context_window >= 1,
          "must be None or >= 1"),
+        ("min_action_tokens", self.min_action_tokens >= 1, "must be >= 1"),
+        ("long_prompts", self.long_prompts in ("drop", "error"), "must be 'drop' or 'error'"),
     ])

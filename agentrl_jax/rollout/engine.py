@@ -38,7 +38,7 @@ from agentrl_jax.envs import contract
 from agentrl_jax.envs.base import Environment, Task
 from agentrl_jax.rollout.branching import Brancher
 from agentrl_jax.rollout.config import RolloutConfig
-from agentrl_jax.rollout.episode import Episode, TurnFormat
+from agentrl_jax.rollout.episode import PROMPT_TOO_LONG, Episode, TurnFormat
 from agentrl_jax.rollout.groups import GroupQueue
 from agentrl_jax.rollout.scheduler import SlotScheduler
 from agentrl_jax.rollout.stats import RunStats
@@ -89,7 +89,7 @@ class RolloutEngine:
     self._turn_format = TurnFormat(
         tokenizer, chat_format, self.system_prompt, self.tools, self.stop_strings,
         self.max_context, config.max_turns, config.max_observation_tokens,
-        config.context_window)
+        config.context_window, config.min_action_tokens)
     self._scheduler = SlotScheduler(sampler, config, self.stops, seed)
     self._group_ids = itertools.count()  # unique across queues: they order groups
     self._queue = GroupQueue(self._group_ids)  # carried between calls
@@ -222,10 +222,26 @@ class RolloutEngine:
     done = queue.pop_complete()
     trajectories = [self._record(ep, policy_version) for ep in done if ep.segments]
     failed = [ep.failure() for ep in done if not ep.segments]
+    self._long_prompts(failed)
     calls = self._scheduler.calls
     return RolloutResult(trajectories, stats.summary(
         trajectories, failed, calls.drain_latencies(), calls.abandoned - stats.abandoned),
         failed)
+
+  def _long_prompts(self, failed: list[dict]) -> None:
+    """One warning naming the tasks whose prompts did not fit (or, with
+    long_prompts="error", a ValueError)."""
+    ids = sorted({f["task_id"] for f in failed if f["stop_reason"] == PROMPT_TOO_LONG}, key=str)
+    if not ids:
+      return
+    what = (f"{len(ids)} task(s) have a prompt that leaves no room for "
+            f"rollout.min_action_tokens={self.config.min_action_tokens} in the "
+            f"{self.max_context}-token context: {ids}")
+    if self.config.long_prompts == "error":
+      raise ValueError(f"{what} (rollout.long_prompts='error'; shorten the system prompt "
+                       "or tools, or lower rollout.max_observation_tokens)")
+    warnings.warn(f"{what}; their episodes are dropped (rollout/ended/{PROMPT_TOO_LONG})",
+                  RuntimeWarning, stacklevel=3)
 
   def _temperature(self, override: float | None) -> float:
     return self.config.temperature if override is None else override

@@ -9,13 +9,17 @@ The episode never touches the sampler or the threads (`scheduler.py` does).
 
 The transcript is what the sampler consumed and produced: SYSTEM = the
 prompt delta, ASSISTANT = the sampled tokens (the stop's tokens included)
-with their raw log-probs, OBSERVATION = the observation delta (wrapper and
+with their log-probs under the trained policy and under the distribution
+they were drawn from, OBSERVATION = the observation delta (wrapper and
 next assistant header included). A terminated episode ends on its last
 action; a truncated one (turn budget, or the environment's truncation) ends
 on the observation that followed it, the state its return bootstraps from
 (docs/design.md, convention 4), unless that would overflow the context.
 An observation may be a list of texts (one per tool call); each is cut by
-characters before it is tokenized, so a huge one costs bounded work.
+characters before it is tokenized, so a huge one costs bounded work. The
+reset observation is cut alike; a prompt that still leaves no room for
+`min_action_tokens` ends the episode before it has a segment
+("prompt_too_long").
 
 Context policies: append-only (`context_window=None`) keeps every turn in
 the cache, so each observation extends it by its own tokens. A sliding
@@ -46,9 +50,11 @@ _CHARS_PER_TOKEN = 32
 
 # Why an episode ended (`metadata["stop_reason"]`): the task ended; the turn
 # budget, the environment's truncation or the context ran out; the
-# environment failed (see `env_calls`).
+# environment failed (see `env_calls`); its prompt left no room for an
+# action (it has no tokens: `RolloutResult.failed`, never a trajectory).
+PROMPT_TOO_LONG = "prompt_too_long"
 STOP_REASONS = ("terminated", "max_turns", "env_truncated", "context",
-                env_calls.ENV_TIMEOUT, env_calls.ENV_ERROR)
+                env_calls.ENV_TIMEOUT, env_calls.ENV_ERROR, PROMPT_TOO_LONG)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,6 +70,7 @@ class TurnFormat:
   max_turns: int
   max_observation_tokens: int
   context_window: int | None  # turns kept besides the prompt; None: all
+  min_action_tokens: int = 1  # room a prompt must leave in max_context
 
   def prompt_ids(self, observation: str) -> list[int]:
     return self.fmt.prompt_ids(self.tok, self.system_prompt, observation, self.tools)
@@ -89,8 +96,11 @@ class TurnFormat:
 class Action(NamedTuple):
   """One turn's action, as the sampler (or an expert) wrote it."""
   token_ids: list[int]  # [n], the stop's tokens included
-  logprobs: list[float] | None  # [n] raw log-probs; None for an expert's
+  logprobs: list[float] | None  # [n] the trained policy's; None for an expert's
   stop_reason: int  # sampling.STOP_*
+  # [n] under the distribution drawn from (temperature, top-k, top-p); None:
+  # the policy itself, or an expert's
+  sampling_logprobs: list[float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +225,8 @@ class Episode:
 
   def act(self, action: Action, version: int | None) -> EnvCall:
     """Records the action sampled by policy `version`; the step call to make."""
-    self.segments.append(Segment(Role.ASSISTANT, action.token_ids, action.logprobs))
+    self.segments.append(Segment(Role.ASSISTANT, action.token_ids, action.logprobs,
+                                 action.sampling_logprobs))
     self.context_starts.append(self.context_start)
     self.stop_reasons.append(action.stop_reason)
     self.versions.append(version)
@@ -244,14 +255,19 @@ class Episode:
     return EnvCall(fn, args, check, count)
 
   def _on_reset(self, reset: tuple[str, dict]) -> None:
-    self.observation, info = reset
+    observation, info = reset
+    fmt = self.turn_format
+    self.observation = fmt.clip_observation(observation)
     self.state_keys.append(info.get("state_key"))
-    prompt = self.turn_format.prompt_ids(self.observation)
+    prompt = fmt.prompt_ids(self.observation)
+    if len(prompt) + fmt.min_action_tokens > fmt.max_context:
+      # Dropped whole (no segment): an episode without an action never
+      # reaches a batch.
+      self.finish(PROMPT_TOO_LONG, f"a prompt of {len(prompt)} tokens leaves no room for "
+                  f"{fmt.min_action_tokens} action tokens in {fmt.max_context}")
+      return
     self.segments.append(Segment(Role.SYSTEM, prompt))
-    if len(prompt) + 1 > self.turn_format.max_context:  # no room for a single action
-      self.finish("context")
-    else:
-      self.pending = Feed(prompt, prefill=True)
+    self.pending = Feed(prompt, prefill=True)
 
   def _on_step(self, result: StepResult) -> None:
     self.steps.count(result)

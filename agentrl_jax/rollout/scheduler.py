@@ -196,7 +196,8 @@ class SlotScheduler:
       action = actions[ep.slot]
       ep.cached_tokens += len(action.tokens)
       stats.generated_tokens += len(action.tokens)
-      out.append(Action(action.tokens, action.raw_logprobs, action.stop_reason))
+      out.append(Action(action.tokens, action.raw_logprobs, action.stop_reason,
+                        action.sampled_logprobs))
     return out
 
   def _submit(self, ep: Episode, call: EnvCall) -> cf.Future:

@@ -59,7 +59,7 @@ def draw(u: jax.Array, logp: jax.Array) -> jax.Array:
   with u[:, 0], then a token within it by its share of the block's mass
   with u[:, 1]: exact in distribution, with no cumulative sum over the
   vocabulary and two random numbers a row (a Gumbel-max draw needs one per
-  token: at Qwen's vocabulary about 6x slower on XLA:CPU,
+  token: slower at Qwen's vocabulary on XLA:CPU,
   `benchmarks/decode_parts.py`). The second level draws against the chosen block's
   own mass, so the tokens of a block are told apart at float32's precision
   relative to that block, not to the whole distribution. Tokens of

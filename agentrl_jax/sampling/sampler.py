@@ -35,9 +35,9 @@ smallest attention window that holds the slot's tokens.
 Log-probs: `decode` reports, per sampled token, `raw_logprobs` (the policy
 the trainer trains: logits / `policy_temperature`, 1 by default, no
 filtering; what the train step recomputes, and what it uses as old
-log-probs) and
-`sampled_logprobs` (under the temperature/top-k/top-p distribution the token
-was actually drawn from).
+log-probs) and `sampled_logprobs` (under the temperature/top-k/top-p
+distribution the token was actually drawn from: the behaviour policy of
+the train step's importance weights). The rollout records both.
 
 Under a `mesh` the shardings are fixed at the jit boundary: parameters by
 `sharding.PARTITION_RULES`, slots (cache, lengths, logits) over ("data",

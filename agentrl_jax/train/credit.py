@@ -29,6 +29,9 @@ A scheme of one's own, e.g. in an experiment's config file:
 
 Trajectory rewards are the episode returns; turn rewards are the per-step
 rewards the environment reported (outcome, format, cost and process parts).
+`assign(..., whiten=True)` whitens any scheme's painted advantages over the
+batch's action tokens (`advantages.whiten_token_advantages`; veRL does so
+for GAE); value targets stay as the scheme gave them.
 """
 
 from __future__ import annotations
@@ -229,7 +232,8 @@ def branch_returns(trajs: Sequence[Trajectory],
 def assign(name: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
            gamma: float = 1.0, lam: float = 0.95, num_turns: int | None = None,
            token_values: np.ndarray | None = None,
-           branch_values: tuple[np.ndarray, np.ndarray] | None = None) -> TokenBatch:
+           branch_values: tuple[np.ndarray, np.ndarray] | None = None,
+           whiten: bool = False) -> TokenBatch:
   """Fills `batch.advantages` (and `batch.returns` where the scheme gives them).
 
   Args:
@@ -244,6 +248,11 @@ def assign(name: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
       (schemes that need branches). The bootstrap after a truncated episode
       is 0 there: its continuations ran under the same turn budget, so their
       returns stop there too.
+    whiten: whiten the advantages over the action tokens of `batch` (real,
+      loss_mask 1): (A - mean) / sqrt(var + 1e-8), token-weighted, unbiased
+      var (`advantages.whiten_token_advantages`; veRL's default for GAE).
+      The statistics are this batch's: under several processes, each
+      process's rows; before the trainer drops or masks any tokens.
   """
   s = scheme(name)
   turn_rewards, turn_mask = turn_arrays(trajs, num_turns)
@@ -265,8 +274,12 @@ def assign(name: str, trajs: Sequence[Trajectory], batch: TokenBatch, *,
       gamma=gamma, lam=lam, values=values, bootstrap=bootstrap,
       branch_returns=branch_values if s.needs_branches else None,
       state_keys=tuple(tuple(t.metadata.get("state_keys", ())) for t in trajs))
-  out = s.fn(inputs)
-  return _paint(out, batch, len(trajs), turn_rewards.shape[1], name)
+  out = _paint(s.fn(inputs), batch, len(trajs), turn_rewards.shape[1], name)
+  if not whiten:
+    return out
+  action = (out.loss_mask > 0) & (out.seq_ids >= 0)
+  return out.replace(advantages=np.asarray(adv.whiten_token_advantages(
+      jnp.asarray(out.advantages), jnp.asarray(action, jnp.float32))))
 
 
 def _paint(out: Credit, batch: TokenBatch, num_trajs: int, num_turns: int,

@@ -61,7 +61,7 @@ import numpy as np
 from agentrl_jax import distributed, env_calls, losses, sharding
 from agentrl_jax.checks import check_fields
 from agentrl_jax.envs.base import Task
-from agentrl_jax.rollout import STOP_REASONS, RolloutEngine, RolloutResult
+from agentrl_jax.rollout import STOP_REASONS, RolloutConfig, RolloutEngine, RolloutResult
 from agentrl_jax.train import credit, pipeline
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.train import step as step_lib
@@ -88,6 +88,10 @@ class RLConfig:
   credit: str = "grpo"
   gamma: float = 1.0
   lam: float = 0.95
+  # Whiten the advantages over the batch's action tokens, (A - mean) /
+  # sqrt(var + 1e-8) (veRL's GAE default; `credit.assign(whiten=...)`); the
+  # value targets are not whitened.
+  whiten_advantages: bool = False
   filter_zero_variance: bool = False
   branch_size: int = 2  # continuations per intermediate state ("branching")
   # Continuations fork their episode's cached prefix (a device snapshot of
@@ -147,6 +151,10 @@ class RLConfig:
     if self.max_refill_tasks and self.top_variance_frac < 1:
       raise ValueError("max_refill_tasks refills groups to a count that top_variance_frac "
                        "< 1 would cut again; use one of the two")
+    if self.whiten_advantages and self.filter_zero_variance:
+      raise ValueError("whiten_advantages cannot run with filter_zero_variance: the filter "
+                       "drops groups whose advantages are exactly 0, which whitening moves "
+                       "off 0")
     if self.max_refill_tasks and not self.filter_zero_variance:
       raise ValueError("max_refill_tasks refills the groups filter_zero_variance drops; "
                        "turn filtering on")
@@ -169,12 +177,18 @@ class RLConfig:
                        "the update; it cannot run with max_staleness > 0")
 
 
-def check_sections(cfg: RLConfig, loss: step_lib.LossConfig, max_context: int) -> None:
-  """Raises ValueError if `cfg` cannot run with the loss section and a
-  context budget of `max_context` tokens (the sampler's cache length).
-  RLConfig checks its own fields; this is every rule that spans sections,
-  in one place: `RLTrainer` calls it, and so does a config's validation
-  before any work."""
+def check_sections(cfg: RLConfig, loss: step_lib.LossConfig, max_context: int,
+                   rollout: RolloutConfig | None = None) -> None:
+  """Raises ValueError if `cfg` cannot run with the loss section, a
+  context budget of `max_context` tokens (the sampler's cache length) and
+  the `rollout` section (None: not checked). RLConfig checks its own
+  fields; this is every rule that spans sections, in one place:
+  `RLTrainer` calls it, and so does a config's validation before any work."""
+  if max(cfg.buckets) < max_context:
+    raise ValueError(f"buckets={cfg.buckets} must hold a full episode: the largest "
+                     f"entry >= the context budget ({max_context} tokens)")
+  if rollout is not None and loss.is_correction != "tis":
+    _check_sampling(rollout, loss)
   if cfg.overlong_buffer >= max_context:
     raise ValueError(f"overlong_buffer={cfg.overlong_buffer} must be below the context "
                      f"budget ({max_context} tokens)")
@@ -186,6 +200,25 @@ def check_sections(cfg: RLConfig, loss: step_lib.LossConfig, max_context: int) -
         "max_staleness > 0 trains on rollouts of older weights: set "
         "loss.is_correction='tis', so the ratio is taken against the trainer's own "
         "log-probs and the sampler's are importance-weighted (see pipeline.py)")
+
+
+def _check_sampling(rollout: RolloutConfig, loss: step_lib.LossConfig) -> None:
+  """Without importance weights the ratio's old log-probs must be those of
+  the distribution the tokens were drawn from: the trained policy itself."""
+  fix = ("or set loss.is_correction='tis' (importance weights from the "
+         "sampled distribution to the trained policy)")
+  if rollout.temperature != loss.temperature:
+    raise ValueError(
+        f"rollout.temperature={rollout.temperature} samples another distribution than "
+        f"the policy the loss trains (loss.temperature={loss.temperature}): set "
+        f"loss.temperature={rollout.temperature} to train the distribution sampled "
+        f"from, {fix}")
+  if rollout.top_k or rollout.top_p < 1.0:
+    raise ValueError(
+        f"rollout.top_k={rollout.top_k}, rollout.top_p={rollout.top_p} sample a "
+        f"filtered distribution, the loss trains the unfiltered policy "
+        f"(loss.temperature={loss.temperature}): turn the filter off (top_k=0, "
+        f"top_p=1.0), {fix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +358,11 @@ class RLTrainer:
     if cfg.max_refill_tasks and jax.process_count() > 1:
       raise ValueError("max_refill_tasks (dynamic sampling) runs in one process only: the "
                        "processes would have to agree on every refill round")
-    check_sections(cfg, step.cfg, engine.max_context)
+    # Duck-typed engines may not say: they sample the trained policy.
+    sampling = RolloutConfig(
+        temperature=getattr(engine.config, "temperature", step.cfg.temperature),
+        top_k=getattr(engine.config, "top_k", 0), top_p=getattr(engine.config, "top_p", 1.0))
+    check_sections(cfg, step.cfg, engine.max_context, sampling)
     # A sampler that does not say reports the temperature-1 policy's.
     reported = getattr(engine.sampler, "policy_temperature", 1.0)
     if reported != step.cfg.temperature:
@@ -335,15 +372,14 @@ class RLTrainer:
           f"{reported}, the loss trains the policy at "
           f"temperature={step.cfg.temperature}: build the Sampler with "
           f"policy_temperature={step.cfg.temperature}")
-    # Duck-typed engines may not say: no filter.
-    top_k = getattr(engine.config, "top_k", 0)
-    top_p = getattr(engine.config, "top_p", 1.0)
-    if top_k or top_p < 1.0:
+    if sampling.top_k or sampling.top_p < 1.0:
+      # (Without "tis" check_sections refused it.) Importance weights cannot
+      # reach what is never sampled.
       warnings.warn(
-          f"rollout top_k={top_k}, top_p={top_p}: the sampler draws from the "
-          "filtered distribution but the loss trains the unfiltered policy, so the tokens "
-          "the filter drops never get a gradient and their mass can grow unseen; watch "
-          "train/policy_entropy (the trained policy's), not the rollouts",
+          f"rollout top_k={sampling.top_k}, top_p={sampling.top_p}: the sampler draws "
+          "from the filtered distribution but the loss trains the unfiltered policy, so "
+          "the tokens the filter drops never get a gradient and their mass can grow "
+          "unseen; watch train/policy_entropy (the trained policy's), not the rollouts",
           RuntimeWarning, stacklevel=2)
     if cfg.max_staleness and jax.process_count() > 1:
       raise ValueError("max_staleness > 0 runs in one process only")
@@ -436,7 +472,9 @@ class RLTrainer:
     result, version = rolled
     metrics = {f"rollout/{k}": v for k, v in result.metrics.items()}
     if version != it:  # sampled ahead: staleness counts to the update it feeds
-      stale = [it - min(t.metadata["policy_versions"]) for t in result.trajectories] or [0]
+      # (An episode without an action has no version: nothing of it trains.)
+      stale = [it - min(t.metadata["policy_versions"], default=it)
+               for t in result.trajectories] or [0]
       for t, st in zip(result.trajectories, stale):
         t.metadata["staleness"] = st
       metrics.update({"rollout/staleness_mean": float(np.mean(stale)),
@@ -529,10 +567,11 @@ class RLTrainer:
 
   def _trainable(self, trajs: Sequence[Trajectory], metrics: dict
                  ) -> tuple[list[Trajectory], list[Trajectory]]:
-    """The episodes to train on (env faults left out), as recorded and
-    overlong-shaped (the same list when shaping is off); adds their env
-    steps and penalties to `metrics`."""
-    trajs = [t for t in trajs if t.metadata["stop_reason"] not in _ENV_FAULTS]
+    """The episodes to train on (env faults and episodes without an action
+    left out), as recorded and overlong-shaped (the same list when shaping
+    is off); adds their env steps and penalties to `metrics`."""
+    trajs = [t for t in trajs
+             if t.metadata["stop_reason"] not in _ENV_FAULTS and t.num_turns > 0]
     metrics["rollout/env_steps"] = (metrics.get("rollout/env_steps", 0.0)
                                     + float(sum(t.num_turns for t in trajs)))
     shaped, penalties = self._shaped(trajs)
@@ -582,7 +621,7 @@ class RLTrainer:
                        if self._credit.needs_branches else None)
       return credit.assign(cfg.credit, episodes, batch, gamma=cfg.gamma, lam=cfg.lam,
                            num_turns=self.engine.config.max_turns, token_values=values,
-                           branch_values=branch_values)
+                           branch_values=branch_values, whiten=cfg.whiten_advantages)
 
     out = credited(trajs, {p: self._shaped(c)[0] for p, c in branches.items()})
     outcome_advantages = (credited(outcomes, branches).advantages
@@ -593,7 +632,10 @@ class RLTrainer:
       lp = distributed.local_rows(self._logprobs(
           self.state.model_params, self._to_global(out),
           losses.action_bucket(self._most_in_loss(out), out.tokens.shape[1])))
-      out = out.replace(old_logprobs=np.where(added, np.asarray(lp), out.old_logprobs))
+      # The trainer's own: importance weight 1 on tokens nobody sampled.
+      out = out.replace(
+          old_logprobs=np.where(added, np.asarray(lp), out.old_logprobs),
+          sampling_logprobs=np.where(added, np.asarray(lp), out.sampling_logprobs))
     if cfg.mask_truncated:
       truncated = np.asarray([t.truncated for t in trajs] + [False])  # [-1]: padding
       out = out.replace(loss_mask=np.where(truncated[out.seq_ids], 0.0,
@@ -691,7 +733,8 @@ def _padding_batch(num_rows: int, length: int) -> TokenBatch:
   zeros = lambda dtype: np.zeros((num_rows, length), dtype)
   empty = np.full((num_rows, length), -1, np.int32)
   return TokenBatch(tokens=zeros(np.int32), loss_mask=zeros(np.float32),
-                    old_logprobs=zeros(np.float32), advantages=zeros(np.float32),
+                    old_logprobs=zeros(np.float32), sampling_logprobs=zeros(np.float32),
+                    advantages=zeros(np.float32),
                     turn_index=empty, seq_ids=empty.copy(), positions=zeros(np.int32),
                     returns=zeros(np.float32))
 

@@ -6,7 +6,7 @@ metrics)`, jitted with the state donated (under a `mesh`: see `_StepJit`):
   1. reference log-probs for the KL term: a program of its own, run before
      the step (no grad), so the step's temporaries never hold the
      reference forward's (on XLA:CPU, a float32 copy of the bf16 reference
-     that the micro-batch loop hoists: 1.2 GiB less at Qwen2.5-0.5B,
+     that the micro-batch loop hoists; what that saves:
      benchmarks/step_memory.py);
   2. for each of `ppo_epochs`: accumulate gradients over `micro_batches`
      (lax.scan), then one optax update, skipped if the loss or any gradient
@@ -41,10 +41,16 @@ reference without grad (its own program) when `kl_beta > 0`. `behaviour_forward`
 forward, only the entropy over the vocabulary at each action position for
 its metrics; turned off, nothing compares the sampler with the trainer.
 
-Importance ratios use the sampler's rollout log-probs (`is_correction=
-"none"`), or, with "tis", the trainer's recomputed ones times truncated
-importance weights min(pi_trainer / pi_sampler, tis_cap) (Yao et al. 2025,
-"Your efficient RL framework secretly brings you off-policy RL training").
+Importance ratios use the sampler's rollout log-probs of the trained
+policy (`is_correction="none"`: valid only when the rollouts sample that
+policy itself, which `rl.check_sections` enforces), or, with "tis", the
+decoupled objective (AReaL's decoupled PPO, Fu et al. 2025): ratios
+against the trainer's own recomputed log-probs (the proximal policy),
+times truncated importance weights min(pi_trainer / mu, tis_cap), mu the
+distribution each token was drawn from (`TokenBatch.sampling_logprobs`:
+the rollout's temperature, top-k and top-p, and in asynchronous RL its
+older weights; Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training").
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ class LossConfig:
   agg: str = "token-mean"
   norm_constant: float | None = None  # for "seq-mean-token-sum-norm"
   kl_beta: float = 0.0  # 0: no reference forward at all
+  # `losses.kl_penalty`: k3's gradient follows KL(ref || pi), k2's, k1+'s and
+  # k3+'s KL(pi || ref); logged as `losses.kl_metric_name(kl_kind)`.
   kl_kind: str = "k3"
   entropy_coef: float = 0.0
   value_coef: float = 0.0  # needs a value head and batch.returns
@@ -87,6 +95,10 @@ class LossConfig:
   # move the policy's trunk (a critic on the policy's features, like a
   # separate critic model leaves the actor alone). False shares the trunk.
   value_detach: bool = False
+  # "none": ratios against the sampler's log-probs of the trained policy
+  # (rollouts must sample that policy itself); "tis": the decoupled
+  # objective, weights min(pi_trainer / mu, tis_cap) with mu the
+  # distribution the tokens were drawn from (see the module doc).
   is_correction: str = "none"
   tis_cap: float = 2.0
   ppo_epochs: int = 1
@@ -99,15 +111,17 @@ class LossConfig:
   # policy and reference forwards and the entropy. Set to the rollouts'
   # sampling temperature (with the sampler's `policy_temperature` equal),
   # the update is that of the distribution the rollouts were drawn from, as
-  # veRL and TRL do; 1.0 trains the temperature-1 policy on whatever the
-  # sampler drew, off-policy when it samples at another temperature.
+  # veRL and TRL do; another temperature trains a policy the rollouts did
+  # not sample, which needs is_correction="tis" (`rl.check_sections`).
   temperature: float = 1.0
 
   def __post_init__(self):
     check_fields(self, [
         ("agg", self.agg in losses.LOSS_AGG_MODES,
          f"must be one of {losses.LOSS_AGG_MODES}"),
-        ("kl_kind", self.kl_kind in losses.KL_KINDS, f"must be one of {losses.KL_KINDS}"),
+        ("kl_kind", self.kl_kind in losses.LOSS_KL_KINDS,
+         f"must be one of {losses.LOSS_KL_KINDS} (k1's expected gradient is 0: its "
+         "straight-through k1+ has k1's value and k2's gradient)"),
         ("is_correction", self.is_correction in IS_CORRECTIONS,
          f"must be one of {IS_CORRECTIONS}"),
         ("head_chunk", self.head_chunk >= 1, "must be >= 1"),
@@ -189,6 +203,7 @@ class _Actions:
   index: jax.Array  # int32 position in the row (0 past the row's last action)
   mask: jax.Array  # float32, 1 on real action tokens
   old_logprobs: jax.Array
+  sampling_logprobs: jax.Array
   advantages: jax.Array
   weights: jax.Array  # aggregation weights, computed on the whole batch
   # 1 on each turn's first action token: the state before it is a decision
@@ -212,7 +227,9 @@ def _actions(batch: TokenBatch, weights: jax.Array, num_actions: int) -> _Action
   first = valid & (at(batch.turn_index) >= 0) & (at(batch.turn_index, before)
                                                  != at(batch.turn_index))
   return _Actions(index=index, mask=valid.astype(jnp.float32),
-                  old_logprobs=at(batch.old_logprobs), advantages=at(batch.advantages),
+                  old_logprobs=at(batch.old_logprobs),
+                  sampling_logprobs=at(batch.sampling_logprobs),
+                  advantages=at(batch.advantages),
                   weights=at(weights), first=first.astype(jnp.float32),
                   returns=at(batch.returns, before))
 
@@ -249,8 +266,7 @@ def _update(tx: optax.GradientTransformation, grads, opt_state, params, ok: jax.
   parameter at the step's peak (benchmarks/README.md, step_memory.py).
   `tx`'s state update must not read the parameters (AdamW's does not): the
   second call gets the new ones. The values are the same, but XLA fuses
-  the arithmetic otherwise, so results move in the last bits (about 1e-8
-  after a few AdamW steps of the tiny model).
+  the arithmetic otherwise, so results move in the last bits.
   """
   updates, _ = tx.update(grads, opt_state, params)
   new_params = _keep_if(ok, optax.apply_updates(params, updates), params)
@@ -419,8 +435,9 @@ class RLStep:
       behaviour = jnp.where(first, jax.lax.stop_gradient(lp), behaviour)
       if tis:
         old = behaviour
-        weights = jnp.minimum(jnp.exp(jnp.where(act.mask > 0, behaviour - act.old_logprobs,
-                                                0.0)), cfg.tis_cap)
+        weights = jnp.minimum(jnp.exp(jnp.where(act.mask > 0,
+                                                behaviour - act.sampling_logprobs, 0.0)),
+                              cfg.tis_cap)
       else:
         old, weights = act.old_logprobs, jnp.ones_like(lp)
       pg, m = losses.policy_loss(
@@ -429,11 +446,16 @@ class RLStep:
           token_weights=act.weights)
       # Token-mean metrics combine by token share, maxima by max; the loss
       # terms are already this micro-batch's part of the full-batch sum.
+      if tis:  # how far the drawn distribution was from the trained policy
+        m["tis_weight_mean"] = masked_mean(weights, act.mask)
+        m["tis_capped_frac"] = masked_mean((weights >= cfg.tis_cap).astype(jnp.float32),
+                                           act.mask)
       m = {k: v if k.endswith("_max") else token_share * v for k, v in m.items()}
       loss = m["pg_loss"] = pg
       if cfg.kl_beta > 0:
-        m["kl"] = losses.weighted_sum(losses.kl_penalty(lp, ref, cfg.kl_kind), act.weights)
-        loss = loss + cfg.kl_beta * m["kl"]
+        kl = m[losses.kl_metric_name(cfg.kl_kind)] = losses.weighted_sum(
+            losses.kl_penalty(lp, ref, cfg.kl_kind), act.weights)
+        loss = loss + cfg.kl_beta * kl
       if cfg.entropy_coef > 0:
         m["entropy"] = losses.weighted_sum(out["entropy"], act.weights)
         loss = loss - cfg.entropy_coef * m["entropy"]

@@ -146,7 +146,8 @@ def validate(cfg) -> None:
       bad.append(f"{name}: {e}")
   if "rl" in built and "loss" in built:
     try:
-      check_sections(built["rl"], built["loss"], cfg.sampler.cache_length)
+      check_sections(built["rl"], built["loss"], cfg.sampler.cache_length,
+                     built.get("rollout"))
     except ValueError as e:
       bad.append(f"rl: {e}")
   split = cfg.mesh.data * cfg.mesh.fsdp
@@ -173,9 +174,6 @@ def validate(cfg) -> None:
       ("algorithm", cfg.algorithm in ("", *presets.PRESETS),
        f"must be one of {('', *presets.PRESETS)}"),
       ("env.name", env_problem is None, f"does not load: {env_problem}"),
-      ("rl.buckets", max(cfg.rl.buckets, default=0) >= cfg.sampler.cache_length,
-       f"must hold a full episode: the largest entry >= sampler.cache_length "
-       f"({cfg.sampler.cache_length})"),
   ]
   if split > 1:
     rows = cfg.rl.tasks_per_iteration * cfg.rl.group_size

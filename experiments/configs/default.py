@@ -50,11 +50,11 @@ def frozen_lake():
   c.sampler.attention_windows = (512,)
   c.rl.buckets = (256, 384, 512)
   c.rl.tasks_per_iteration = 8
-  # Rollouts explore at 1.3; the loss's log-probs (and the held-out T = 1
-  # evaluation) are the policy's at temperature 1, so the update is the
-  # temperature-1 policy's, fed by a flatter sampler (at 1.0 RL sharpened
-  # fewer seeds' greedy policies: docs/results.md, session 31).
-  c.rollout.temperature = 1.3
+  # Rollouts explore at 1.3 (at 1.0 RL sharpened fewer seeds' greedy
+  # policies: docs/results.md, session 31), and the loss trains that
+  # distribution, softmax(logits / 1.3): its ratios are those of the policy
+  # that sampled.
+  c.rollout.temperature = c.loss.temperature = 1.3
   # Larger steps than a fine-tune of a real model; at 6e-4 RL fell from
   # these SFT starts (docs/results.md, session 22).
   c.rl_optim.learning_rate = 2e-4
@@ -81,9 +81,9 @@ def get_config(task: str = "door"):
   # All the demonstrations: the half that leave by the door too.
   c.sft.keep_failed = True
   # The SFT policy is unsure of the exit already, so rollouts sample the
-  # policy itself: at 1.3, with the loss at 1, seed 2's entropy rose from
-  # 0.3 to 3 (docs/results.md, session 35).
-  c.rollout.temperature = 1.0
+  # temperature-1 policy: at 1.3, with the loss at 1, seed 2's entropy rose
+  # from 0.3 to 3 (docs/results.md, session 35).
+  c.rollout.temperature = c.loss.temperature = 1.0
   # RL's held-out gain is made by about iteration 30 (docs/results.md,
   # session 35).
   c.iterations = 40

@@ -8,12 +8,10 @@ hole ends the episode at 0 and the reward is the outcome alone, so one
 wrong turn into a dead end dooms an episode many turns before it ends.
 Each observation also names what every move steps onto ("Next to you:
 left F, down H, ..."): without that line the tiny model does not learn to
-read a 6x6 grid from 256 demonstrations (held-out greedy 0.27 after SFT,
-docs/results.md session 29); with it, 0.52-0.64 (seeds 0-2, session 30),
-which leaves room to RL. GiGPO's anchors are the cells (`FrozenLakeEnv.state_key`).
-The string after ':' picks the credit scheme (any registered name: grpo,
-turn_returns, gae, gigpo, ...). One run: about 4 minutes of SFT and 8-10
-of RL (60 iterations of 4 maps x 8 episodes) on 2 CPU cores.
+read a 6x6 grid from 256 demonstrations. GiGPO's anchors are the cells
+(`FrozenLakeEnv.state_key`). The string after ':' picks the credit scheme
+(any registered name: grpo, turn_returns, gae, gigpo, ...). What it
+measured, and how long a run takes: docs/results.md.
 """
 
 import os
@@ -25,7 +23,7 @@ import default  # pylint: disable=wrong-import-position
 
 def get_config(scheme="grpo"):
   c = default.frozen_lake()
-  c.rollout.temperature = 1.0  # its measured runs sampled at 1 (default.py explores at 1.3)
+  c.rollout.temperature = c.loss.temperature = 1.0  # default.py explores at 1.3
   c.env.task_kwargs = {"sizes": (6,)}
   c.env.kwargs = {"neighbours": True}
   c.rollout.max_turns = 12

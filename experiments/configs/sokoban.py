@@ -11,15 +11,12 @@ solved). The reward is the outcome alone (1.0 when the box is on its
 target) plus a format penalty for unparseable moves; GiGPO's anchors are
 the room states (`SokobanEnv.state_key`). The string after ':' picks the
 credit scheme (any registered name: grpo, turn_returns, gae, gigpo, ...).
-Sized so that `experiments/credit_ablation.py --env=sokoban --size=full`
-(8 seeds, one SFT each, 15 RL iterations of 4 rooms x 8 episodes per arm)
-fits about 80 minutes on 2 CPU cores. Measured over 8 seeds
-(docs/results.md, session 16): SFT leaves held-out greedy success at
-0.18 on 64 rooms (0.02-0.31 by seed), and 15 RL iterations lower it
-under every scheme tried: the policy learns to walk into walls until the
-turn budget ends the episode rather than risk a push (docs/results.md,
-session 20). A recipe under which RL learns this task is still to be
-found.
+Sized for `experiments/credit_ablation.py --env=sokoban --size=full` (8
+seeds, one SFT each, 15 RL iterations of 4 rooms x 8 episodes per arm) on
+2 CPU cores. Expect RL to lower SFT's held-out greedy success under every
+scheme tried so far: the policy learns to walk into walls until the turn
+budget ends the episode rather than risk a push. What it measured, and
+how long it takes: docs/results.md.
 """
 
 import os
@@ -31,7 +28,7 @@ import default  # pylint: disable=wrong-import-position
 
 def get_config(scheme="grpo"):
   c = default.frozen_lake()
-  c.rollout.temperature = 1.0  # its measured runs sampled at 1 (default.py explores at 1.3)
+  c.rollout.temperature = c.loss.temperature = 1.0  # default.py explores at 1.3
   c.env.name = "sokoban"
   # A box cornered off its target ends the episode: its return is final, so
   # the turns left would only cost compute.
