@@ -44,11 +44,17 @@ def load_tokenizer(path: str | os.PathLike | None = None
                    ) -> transformers.PreTrainedTokenizerFast:
   """A local HF tokenizer directory or tokenizer.json; None: the bundled one.
   A tokenizer.json with ChatML's <|im_end|> / <|endoftext|> gets them as its
-  EOS / padding token (the file itself names no roles)."""
+  EOS / padding token (the file itself names no roles). A `.gguf` file, or a
+  directory holding one and no tokenizer files: the tokenizer and chat
+  template in its metadata (`models.gguf_io.load_gguf_tokenizer`)."""
   if path is None:
     return transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(BUNDLED_TOKENIZER), eos_token="<|im_end|>",
         pad_token="<|endoftext|>")
+  if _mentions_gguf(path):  # import the model code only then
+    from agentrl_jax.models import gguf_io  # pylint: disable=g-import-not-at-top
+    if gguf_io.find_gguf(path, gguf_io.TOKENIZER_FILES) is not None:
+      return gguf_io.load_gguf_tokenizer(path)
   path = pathlib.Path(path)
   if path.is_file():
     # A bare tokenizer.json names no special-token roles: ChatML's, if it has them.
@@ -60,6 +66,12 @@ def load_tokenizer(path: str | os.PathLike | None = None
     raise FileNotFoundError(f"no tokenizer at {path} (a local directory or "
                             "tokenizer.json file is expected)")
   return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _mentions_gguf(path: str | os.PathLike) -> bool:
+  """A .gguf file or a directory with one (`gguf_io.find_gguf` decides)."""
+  path = pathlib.Path(path)
+  return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
 
 
 # Qwen2/2.5's added tokens, ids 151643-151664 in this order (its

@@ -13,6 +13,7 @@ norm weights are stored as transformers stores them (the w of 1 + w). The
 optional value head is ours, not HF's: it is saved next to the
 export as `value_head.safetensors` and loaded from there when present.
 LoRA adapters have no HF name: an adapted model exports merged.
+GGUF files load through the same name table (`gguf_io`).
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
 
   Args:
     local_dir: a directory as written by transformers' `save_pretrained`
-      (single file or sharded with `model.safetensors.index.json`).
+      (single file or sharded with `model.safetensors.index.json`); or a
+      llama.cpp `.gguf` file, or a directory holding one and no config.json
+      (Llama/Qwen2/Qwen3; see `gguf_io.from_gguf`).
     dtype: activation dtype (norms and softmax run in float32 regardless).
     param_dtype: parameter dtype: float32 masters whatever `dtype` (a bf16
       checkpoint converts exactly; a 1e-6 update to bf16 weights mostly
@@ -104,6 +107,13 @@ def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
     ValueError: unsupported architecture, or tensors missing, unexpected or
       of the wrong shape (the message lists them).
   """
+  # Imported here: gguf_io loads through this module's `from_tensors`.
+  from agentrl_jax.models import gguf_io  # pylint: disable=g-import-not-at-top
+
+  gguf_file = gguf_io.find_gguf(local_dir)
+  if gguf_file is not None:
+    return gguf_io.from_gguf(gguf_file, dtype=dtype, param_dtype=param_dtype,
+                             value_head=value_head, remat=remat, seed=seed)
   local_dir = pathlib.Path(local_dir)
   if not (local_dir / "config.json").exists():
     raise FileNotFoundError(f"{local_dir} has no config.json (is it a local "
@@ -117,8 +127,18 @@ def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
   tensors = _read_tensors(_weight_files(local_dir))
   if value_head and (local_dir / VALUE_HEAD_FILE).exists():
     tensors.update(_read_tensors([local_dir / VALUE_HEAD_FILE]))
+  return from_tensors(cfg, tensors, source=local_dir, seed=seed)
 
-  model = Decoder(cfg, rngs=nnx.Rngs(seed)) if value_head else nnx.eval_shape(
+
+def from_tensors(cfg: config_lib.ModelConfig, tensors: dict[str, np.ndarray], *,
+                 source: str | os.PathLike = "checkpoint", seed: int = 0) -> Decoder:
+  """A decoder for `cfg` holding `tensors` (HF names, torch layouts).
+
+  The one place names, transposes and shapes are checked (`from_pretrained`
+  and `gguf_io` both load through it). A value head missing from `tensors`
+  is freshly initialised from `seed`.
+  """
+  model = Decoder(cfg, rngs=nnx.Rngs(seed)) if cfg.value_head else nnx.eval_shape(
       lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   flat = dict(nnx.to_flat_state(params))
@@ -131,7 +151,7 @@ def from_pretrained(local_dir: str | os.PathLike, *, dtype=jnp.float32,
   unexpected = sorted(tensors.keys() - table.keys() - ignored)
   if missing or unexpected:
     raise ValueError(
-        f"checkpoint {local_dir} does not match a {cfg.arch} decoder with this "
+        f"checkpoint {source} does not match a {cfg.arch} decoder with this "
         f"config.\n  missing tensors ({len(missing)}): {missing}\n  unexpected "
         f"tensors ({len(unexpected)}): {unexpected}\n  expected names: "
         f"{sorted(expected)}")
