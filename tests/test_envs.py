@@ -131,8 +131,8 @@ def test_from_gymnasium_frozen_lake_with_a_parser():
 
 
 def test_registry():
-  assert envs.registered() == ("calculator", "frozen_lake", "python_tool", "search_qa",
-                               "search_qa_tools", "sokoban")
+  assert envs.registered() == ("arithmetic", "calculator", "frozen_lake", "python_tool",
+                               "search_qa", "search_qa_tools", "sokoban")
   envs.register("guess_test", Guess)
   try:
     a, b = envs.make("guess_test"), envs.make("guess_test")
@@ -141,7 +141,7 @@ def test_registry():
       envs.register("guess_test", Guess)
   finally:
     envs.registry._REGISTRY.pop("guess_test")
-  with pytest.raises(ValueError, match="registered: \\('calculator'"):
+  with pytest.raises(ValueError, match="registered: \\('arithmetic', 'calculator'"):
     envs.make("chess")
 
 

@@ -2,11 +2,12 @@
 
 What an environment must declare is in `contract.py` (checked when an
 engine or a run is built). The bundled environments (`search_qa`,
-`calculator`, `frozen_lake`, `sokoban`, `python_tool`) are created through
-the registry, `make(name, **kwargs)`; `register(name, factory)` adds one,
-and a config may name any by import path (`package.module:attr` or
-`path/to/file.py:attr`). `ToolEnv` turns Python functions into JSON tools.
-Model-written code runs only in `sandbox.Sandbox`.
+`calculator`, `arithmetic`, `frozen_lake`, `sokoban`, `python_tool`) are
+created through the registry, `make(name, **kwargs)`; `register(name,
+factory)` adds one, and a config may name any by import path
+(`package.module:attr` or `path/to/file.py:attr`). `ToolEnv` turns Python
+functions into JSON tools. Model-written code runs only in
+`sandbox.Sandbox`.
 """
 
 from agentrl_jax.envs.adapters import FromGymnasium, SeedStyle, TurnBudget, as_gymnasium

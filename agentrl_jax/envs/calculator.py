@@ -5,12 +5,14 @@ wants the tool; level = number of calculator steps - 1 (a level-2 problem
 chains three steps, each feeding the next). The tool parses the expression
 with `ast` and evaluates numbers and + - * / // % ** only: no names, calls or
 attributes can run, and exponents and magnitudes are bounded so no
-expression can eat the CPU or memory.
+expression can eat the CPU or memory. `safe_eval(exact=True)` is the
+exact (fractions, + - * / only) variant the arithmetic env's tool uses.
 """
 
 from __future__ import annotations
 
 import ast
+import fractions
 import math
 import operator
 import random
@@ -27,6 +29,12 @@ MAX_ABS = 1e15
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
               ast.Mod: operator.mod, ast.Pow: operator.pow}
+_SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
+            ast.Mod: "%", ast.Pow: "**"}
+_EXACT = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+# Exact literals are plain decimals: a Python literal such as 1e999999999
+# would make `Fraction` build a billion-digit integer.
+_DECIMAL = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 _USAGE = ("<calc>expression</calc>", "<answer>number</answer>")
 
 
@@ -34,25 +42,38 @@ class CalcError(ValueError):
   """An expression the calculator refuses or cannot evaluate."""
 
 
-def safe_eval(expression: str) -> int | float:
-  """Evaluates an arithmetic expression without `eval`; raises CalcError."""
+def safe_eval(expression: str, *, exact: bool = False) -> int | float | fractions.Fraction:
+  """Evaluates an arithmetic expression without `eval`; raises CalcError.
+
+  Numbers, parentheses, unary + - and + - * / // % ** over Python numbers;
+  with `exact`, + - * / only over fractions read from the literals' text
+  (0.1 is 1/10), plain decimal literals only, denominators bounded too.
+  """
   if len(expression) > MAX_EXPRESSION_CHARS:
     raise CalcError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+  source = expression.strip()
   try:
-    tree = ast.parse(expression.strip(), mode="eval")
-  except (SyntaxError, ValueError) as e:
+    tree = ast.parse(source, mode="eval")
+  except (SyntaxError, ValueError) as e:  # ValueError: e.g. a null byte
     raise CalcError(f"invalid expression ({type(e).__name__})") from e
-  return _evaluate(tree.body)
+  ops = _EXACT if exact else tuple(_OPERATORS)
+  return _evaluate(tree.body, source, ops)
 
 
-def _evaluate(node: ast.AST) -> int | float:
+def _evaluate(node: ast.AST, source: str, ops: tuple[type, ...]):
+  exact = ops == _EXACT
   if isinstance(node, ast.Constant) and type(node.value) in (int, float):
     value = node.value
+    if exact:
+      text = ast.get_source_segment(source, node) or ""
+      if not _DECIMAL.fullmatch(text):
+        raise CalcError(f"write numbers as plain decimals, not {text[:30]!r}")
+      value = fractions.Fraction(text)
   elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-    operand = _evaluate(node.operand)
+    operand = _evaluate(node.operand, source, ops)
     value = -operand if isinstance(node.op, ast.USub) else operand
-  elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-    left, right = _evaluate(node.left), _evaluate(node.right)
+  elif isinstance(node, ast.BinOp) and type(node.op) in ops:
+    left, right = _evaluate(node.left, source, ops), _evaluate(node.right, source, ops)
     if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
       raise CalcError(f"exponent larger than {MAX_EXPONENT}")
     try:
@@ -62,11 +83,15 @@ def _evaluate(node: ast.AST) -> int | float:
     except OverflowError as e:
       raise CalcError("result too large") from e
   else:
-    raise CalcError(f"only numbers, parentheses and + - * / // % ** are allowed, "
-                    f"not {type(node).__name__}")
+    what = ast.get_source_segment(source, node) or type(node).__name__
+    allowed = " ".join(_SYMBOLS[op] for op in ops)
+    raise CalcError(f"only numbers, parentheses and {allowed} are allowed, not {what[:30]!r}")
   if isinstance(value, complex):  # e.g. (-8) ** 0.5
     raise CalcError("complex result")
-  if not math.isfinite(value) or abs(value) > MAX_ABS:
+  # Every operand is bounded, so no single step builds a big number.
+  if exact and (abs(value) > MAX_ABS or value.denominator > MAX_ABS):
+    raise CalcError(f"a number past {MAX_ABS:g} in magnitude or denominator")
+  if not exact and (not math.isfinite(value) or abs(value) > MAX_ABS):
     raise CalcError(f"result larger than {MAX_ABS:g} in magnitude")
   return value
 

@@ -20,6 +20,7 @@ from typing import Callable
 from agentrl_jax.envs.base import Environment
 
 _REGISTRY: dict[str, str | Callable[..., Environment]] = {
+    "arithmetic": "agentrl_jax.envs.arithmetic:arithmetic_env",
     "search_qa": "agentrl_jax.envs.search_qa:SearchQAEnv",
     "search_qa_tools": "agentrl_jax.envs.search_qa:search_tool_env",
     "calculator": "agentrl_jax.envs.calculator:CalculatorEnv",
