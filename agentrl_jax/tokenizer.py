@@ -8,7 +8,9 @@ the sampler already produced (reference text, "Carry token ids, not
 strings"). `check_prefix_preserving` tells you whether re-encoding the text
 *would* have given the same ids: if not, anything that works on text (a
 serving stack re-applying a chat template, say) sees different tokens than
-training did.
+training did. Formats are hand-written (`get_format(name)`) or read off a
+checkpoint's own chat template (`get_format("template", tok)`,
+`template_format`), which must only ever append to what it rendered.
 
 Tokenizers load from local paths only (`load_tokenizer(dir)`); the bundled
 one (`load_tokenizer()`) is a 512-entry byte-level BPE trained on
@@ -302,10 +304,204 @@ REACT = ChatFormat(
 FORMATS = {f.name: f for f in (CHATML, QWEN25, QWEN3, QWEN3_NO_THINKING, GEMMA, REACT)}
 
 
-def get_format(name: str) -> ChatFormat:
+def get_format(name: str, tok=None) -> ChatFormat:
+  """A hand-written format by name, or "template": `template_format(tok)`."""
+  if name == "template":
+    if tok is None:
+      raise ValueError('chat format "template" is read off a tokenizer\'s chat template: '
+                       'get_format("template", tok)')
+    return template_format(tok)
   if name not in FORMATS:
-    raise ValueError(f"unknown chat format {name!r}; known: {sorted(FORMATS)}")
+    raise ValueError(f"unknown chat format {name!r}; known: {sorted([*FORMATS, 'template'])}")
   return FORMATS[name]
+
+
+# The probe conversation of `template_format`: words no template holds, so
+# each is found where the template put it.
+_SYSTEM, _TASK = "probe-system", "probe-task"
+_ANSWERS = ("probe-answer-1", "probe-answer-2")
+_RESULTS = ("probe-result-1", "probe-result-2", "probe-result-3")
+_CALLS = (("probe_tool_a", {"x": "probe-x"}), ("probe_tool_b", {"y": "probe-y"}))
+_TOOLS = [{"type": "function", "function": {
+    "name": name, "description": "A probe.", "parameters": {
+        "type": "object", "properties": {k: {"type": "string"} for k in arguments}}}}
+          for name, arguments in _CALLS]
+
+
+def template_format(tok, chat_template: str | None = None) -> ChatFormat:
+  """The ChatFormat of a checkpoint's own chat template (`tok.chat_template`
+  unless given), named "template".
+
+  Renders a probe conversation with `tok.apply_chat_template(tokenize=False)`
+  after each step a rollout takes (the prompt; an assistant turn of two tool
+  calls; their results; a text turn; one result; a text turn) and reads the
+  format off the differences: `prompt` is the first rendering; `end_of_turn`
+  what follows an assistant's text, less trailing whitespace (which opens the
+  next delta); the observation's wrapper, each result's and the separator
+  come from the two-result and one-result deltas. Tools as the template
+  renders them: its tool block right after the system text, its calls (as
+  `tools.parse_tool_calls` reads them), its "tool" turns. Where it renders
+  none: Qwen2.5's tool block, the calls as the model writes them
+  (`tools.render_call`), each result a <tool_response> block of one user turn.
+
+  Checked on the probe, with tools, else ValueError: each rendering starts
+  with the one before (a template that rewrites or moves an earlier turn is
+  refused, naming it and the hand-written formats that open the conversation
+  as it does), and the deltas, each encoded alone, give the ids of the whole
+  text encoded at once (`check_prefix_preserving`), which are
+  `apply_chat_template(tokenize=True)`'s. Over other conversations it holds
+  as far as they are like the probe (a seam merge depends on the texts).
+  """
+  # pylint: disable=import-outside-toplevel
+  import jinja2  # what apply_chat_template renders with
+  from agentrl_jax import tools as tools_lib  # not at the top: it imports the envs
+  template = chat_template or getattr(tok, "chat_template", None)
+  if not template:
+    raise ValueError("the tokenizer has no chat template; name a hand-written format: "
+                     f"{sorted(FORMATS)}")
+
+  def render(messages, generation, tools=None) -> str:
+    return tok.apply_chat_template(messages, chat_template=template, tools=tools,
+                                   tokenize=False, add_generation_prompt=generation)
+
+  # The system turn, with its tools.
+  head = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": _TASK}]
+  try:
+    bare, with_tools = render(head, True), render(head, True, _TOOLS)
+  except jinja2.TemplateError as e:  # Gemma 2's refuses a system turn
+    raise ValueError(f"the chat template refuses a system and a user turn ({e}); use a "
+                     f"hand-written format: {sorted(FORMATS)}") from e
+  if bare.count(_SYSTEM) != 1 or bare.count(_TASK) != 1:
+    raise ValueError(f"the chat template does not render a system and a user turn once "
+                     f"each: {bare!r}")
+  probe_tools = _TOOLS if with_tools != bare else None
+  tools_block = _tools_block(bare, with_tools) if probe_tools else QWEN25.tools_block
+  if not probe_tools:
+    head[0] = {"role": "system", "content": QWEN25.system_text(_SYSTEM, _TOOLS)}
+  opened = render(head, True, probe_tools)
+
+  # Its calls, if it writes them, as `tools.parse_tool_calls` reads them.
+  calls = {"role": "assistant", "content": "", "tool_calls": [
+      {"type": "function", "function": {"name": n, "arguments": a}} for n, a in _CALLS]}
+  written = render(head + [calls], False, probe_tools)[len(opened):]
+  if any(n in written for n, _ in _CALLS) and [
+      (c.name, c.arguments) for c in tools_lib.parse_tool_calls(written)
+      if isinstance(c, tools_lib.ToolCall)] != list(_CALLS):
+    raise ValueError(f"the chat template writes tool calls as {written!r}, which "
+                     "tools.parse_tool_calls does not read (<tool_call> JSON)")
+  # Its "tool" turns if it renders them.
+  try:
+    as_tool = [{"role": "tool", "content": r} for r in _RESULTS[:2]]
+    tool_role = all(r in render(head + [calls] + as_tool, True, probe_tools)
+                    for r in _RESULTS[:2])
+  except jinja2.TemplateError:  # Gemma 3's: roles must alternate user/assistant
+    tool_role = False
+
+  def results(texts):
+    if tool_role:
+      return [{"role": "tool", "content": r} for r in texts]
+    return [{"role": "user", "content": "\n".join(
+        f"<tool_response>\n{r}\n</tool_response>" for r in texts)}]
+
+  # The renderings after each step of a rollout: each must extend the last.
+  steps = [[calls], results(_RESULTS[:2]), [{"role": "assistant", "content": _ANSWERS[0]}],
+           results(_RESULTS[2:]), [{"role": "assistant", "content": _ANSWERS[1]}]]
+  messages, texts, ends = list(head), [opened], [len(head)]
+  for k, step in enumerate(steps):
+    messages += step
+    texts.append(render(messages, k % 2 == 1, probe_tools))
+    ends.append(len(messages))
+    if not texts[-1].startswith(texts[-2]):
+      like = [n for n, f in FORMATS.items() if f.prompt_text(_SYSTEM, _TASK) == bare and (
+          not probe_tools or f.tools_block and
+          f.prompt_text(_SYSTEM, _TASK, _TOOLS) == with_tools)]
+      raise ValueError(_rewrite_message(texts, ends, messages, like))
+  delta = [b[len(a):] for a, b in zip(texts, texts[1:])]
+
+  # An assistant turn: its text, the end of turn, whitespace.
+  if not delta[2].startswith(_ANSWERS[0]):
+    raise ValueError(f"the chat template changes an assistant's text: {delta[2]!r}")
+  closing = delta[2][len(_ANSWERS[0]):]
+  end_of_turn = closing.rstrip()
+  if not end_of_turn or not delta[0].endswith(closing):
+    raise ValueError(f"the chat template does not close assistant turns the same way: "
+                     f"{delta[0]!r}, {delta[2]!r}")
+  trailer = closing[len(end_of_turn):]
+  fmt = ChatFormat(
+      name="template",
+      prompt=bare.replace("{", "{{").replace("}", "}}").replace(_SYSTEM, "{system}")
+      .replace(_TASK, "{task}"),
+      end_of_turn=end_of_turn, stops=(end_of_turn,), tools_block=tools_block,
+      **_observation_pieces(trailer + delta[1], trailer + delta[3]))
+
+  # It renders the probe's text (read off it, but the system text with
+  # tools was put where the bare one was): are its deltas, each encoded
+  # alone, the ids of that text encoded at once?
+  actions = [delta[0][:len(delta[0]) - len(closing)] + end_of_turn,
+             _ANSWERS[0] + end_of_turn, _ANSWERS[1] + end_of_turn]
+  observations = [list(_RESULTS[:2]), list(_RESULTS[2:])]
+  if fmt.render(_SYSTEM, _TASK, actions, observations, _TOOLS) + trailer != texts[-1]:
+    raise ValueError(f"the chat template renders the system text with tools elsewhere: "
+                     f"{opened!r}")
+  check = check_prefix_preserving(tok, fmt, _SYSTEM, _TASK, actions, observations, _TOOLS)
+  if not check.ok:
+    raise ValueError(f"the chat template's text encoded at once gives other ids than its "
+                     f"deltas encoded one by one: {check.detail}")
+  return fmt
+
+
+def _tools_block(bare: str, with_tools: str) -> str:
+  """The tools' block a template renders after the system text, with
+  `{schemas}` where the probe's schemas are, one JSON line each."""
+  cut = bare.index(_SYSTEM) + len(_SYSTEM)
+  block = with_tools[cut:len(with_tools) - len(bare) + cut]
+  schemas = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in _TOOLS)
+  if bare[:cut] + block + bare[cut:] != with_tools or block.count(schemas) != 1:
+    raise ValueError("the chat template renders tools elsewhere than right after the "
+                     f"system text, or not one JSON line each: {with_tools!r}")
+  return block.replace(schemas, "{schemas}")
+
+
+def _observation_pieces(two: str, one: str) -> dict[str, str]:
+  """ChatFormat's observation, response and separator from the deltas after
+  two results and after one: P + r1 + M + r2 + Q and P + r3 + Q, where P is
+  the wrapper's head and a result's, M a result's tail, the separator and a
+  result's head, Q a result's tail and the wrapper's. A result's head is the
+  longest common end of P and M, its tail the longest common start of Q and
+  what M has left."""
+  p, q = one.split(_RESULTS[2]) if one.count(_RESULTS[2]) == 1 else (one, "")
+  m = two[len(p + _RESULTS[0]):len(two) - len(_RESULTS[1] + q)]
+  if two != p + _RESULTS[0] + m + _RESULTS[1] + q:
+    raise ValueError("the chat template wraps tool results other than as results joined "
+                     f"by a separator in one wrapper: {two!r}, {one!r}")
+  head = len(os.path.commonprefix([p[::-1], m[::-1]]))
+  tail = len(os.path.commonprefix([q, m[:len(m) - head]]))
+  return dict(observation=p[:len(p) - head] + "{observation}" + q[tail:],
+              response=p[len(p) - head:] + "{result}" + q[:tail],
+              separator=m[tail:len(m) - head])
+
+
+def _rewrite_message(texts: Sequence[str], ends: Sequence[int], messages: Sequence[dict],
+                     like: Sequence[str]) -> str:
+  """Why the last rendering does not extend the one before: the messages
+  appended, the ones whose text changed (`ends[k]`: messages in
+  `texts[k]`), what changed, and what to use instead."""
+  old, new = texts[-2], texts[-1]
+  pos = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), len(new))
+  start = max(pos - 8, 0)  # a little context before the change
+  changed = next(k for k, text in enumerate(texts) if pos < len(text))
+
+  def name(lo, hi):
+    return ", ".join(f"{i} ({messages[i]['role']})" for i in range(lo, hi))
+
+  use = (f"use a hand-written format that opens the conversation as it does: {list(like)}"
+         if like else f"none of {sorted(FORMATS)} opens the conversation as it does: "
+         "write a ChatFormat for it")
+  return (f"the chat template rewrites earlier turns: appending message "
+          f"{name(ends[-2], ends[-1])} changes message "
+          f"{name(ends[changed - 1] if changed else 0, ends[changed])}, "
+          f"{old[start:pos + 40]!r} became {new[start:pos + 40]!r}. The deltas keep what "
+          f"the model was sampled on; {use}")
 
 
 @dataclasses.dataclass(frozen=True)

