@@ -18,9 +18,10 @@ from agentrl_jax import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "tests"))
 from configs import (base, calculator, default,  # pylint: disable=wrong-import-position
                      frozen_lake_6x6, frozen_lake_turn_credit, python_tool, qwen_tpu,
-                     search_qa, sokoban, tools_example)
+                     search_qa, smollm2_calculator, sokoban, tools_example)
 import train_agent  # pylint: disable=wrong-import-position
 
 CONFIGS = {
@@ -289,6 +290,34 @@ def test_the_run_hands_checkpoint_write_gb_to_its_checkpointer(tmp_path, monkeyp
   with pytest.raises(Built):
     train_agent.run(cfg, tmp_path / "run")
   assert seen["write_gb"] == 0.5
+
+
+def test_the_smollm2_config_runs_its_smoke_variant_on_a_tiny_gguf(tmp_path):
+  """A tiny random Llama in a GGUF file with SmolLM2's own chat template
+  stands in for the real one: the config reads model, tokenizer and chat
+  format from the file, and SFT and an RL iteration on the arithmetic tool
+  task run end to end."""
+  import test_gguf  # pylint: disable=import-outside-toplevel
+  hf = test_gguf._hf_config("llama")  # pylint: disable=protected-access
+  template = (ROOT / "tests/data/smollm2_chat_template.jinja").read_text()
+  path = test_gguf._write_gguf(tmp_path / "tiny.gguf", hf,  # pylint: disable=protected-access
+                               test_gguf._weights(hf), chat_template=template)
+  cfg = smollm2_calculator.get_config(f"{path},smoke")
+  base.validate(cfg)
+  _, _, engine, _, _ = train_agent.build(cfg)
+  assert engine.fmt.name == "template" and "word problem" in engine.system_prompt
+  assert [s["function"]["name"] for s in engine.tools] == ["calculate"]
+  engine.close()
+  train_agent.run(cfg, tmp_path / "run")
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["sft_steps"] == 2 and 0.0 <= summary["rl_success"] <= 1.0
+  full, accel = smollm2_calculator.get_config(str(path)), smollm2_calculator.get_config(
+      f"{path},accelerator")
+  for c in (full, accel):
+    base.validate(c)
+    assert c.model.path == str(path) and c.model.remat
+  with pytest.raises(ValueError, match="unknown variant 'tpu'"):
+    smollm2_calculator.get_config(f"{path},tpu")
 
 
 def test_the_accelerator_config_has_a_smoke_variant():

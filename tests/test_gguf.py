@@ -94,7 +94,7 @@ def _llama_cpp_permute(w, n_head):
 
 
 def _write_gguf(path, hf, weights, *, arch=None, extra_tensors=(), rope_freqs=None,
-                rope_scaling=None):
+                rope_scaling=None, chat_template=CHATML_TEMPLATE):
   """A GGUF file as convert_hf_to_gguf.py writes one, with llama.cpp's own
   tensor-name table and the bundled tokenizer's vocabulary."""
   arch = arch or hf.model_type
@@ -127,7 +127,7 @@ def _write_gguf(path, hf, weights, *, arch=None, extra_tensors=(), rope_freqs=No
   writer.add_eos_token_id(2)
   writer.add_pad_token_id(0)
   writer.add_add_bos_token(False)
-  writer.add_chat_template(CHATML_TEMPLATE)
+  writer.add_chat_template(chat_template)
   names = gguf.get_tensor_name_map(
       next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == hf.model_type),
       hf.num_hidden_layers)
