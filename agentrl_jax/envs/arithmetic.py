@@ -26,7 +26,7 @@ import re
 from typing import Callable, Union
 
 from agentrl_jax import tools as tools_lib
-from agentrl_jax.envs.base import Expert, Task, hashed_split
+from agentrl_jax.envs.base import Expert, Task, hashed_draws
 from agentrl_jax.envs.calculator import safe_eval
 from agentrl_jax.envs.tool_env import ToolEnv
 
@@ -225,23 +225,18 @@ def tasks(split: str, n: int, seed: int, *, operations: tuple[int, ...] = (2, 3,
   unknown = set(operations) - set(_TEMPLATES)
   if unknown or not operations:
     raise ValueError(f"unknown operations {sorted(unknown)}; known: {sorted(_TEMPLATES)}")
-  rng = random.Random(seed)
-  out, seen = [], set()
-  for _ in range(100 * n + 1000):  # generous: each draw succeeds ~1 in 5
-    if len(out) == n:
-      break
+
+  def draw(rng: random.Random) -> tuple[str, tuple[int, Tree]]:
     ops = rng.choice(operations)
     text, tree = rng.choice(_TEMPLATES[ops])(rng)
-    where, digest = hashed_split(text)
-    if digest in seen or where != split:
-      continue
-    seen.add(digest)
+    return text, (ops, tree)
+
+  out = []
+  for text, digest, (ops, tree) in hashed_draws(split, n, seed, draw):
     steps: list[str] = []
     answer = _steps(tree, steps)
     out.append(Task(f"arith/{digest[:16]}", text, {
         "answer": answer, "steps": tuple(steps), "expression": _infix(tree)}, ops - 2))
-  if len(out) < n:
-    raise ValueError(f"found only {len(out)} of {n} distinct {split} tasks")
   return out
 
 

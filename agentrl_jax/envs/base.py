@@ -33,9 +33,10 @@ import abc
 import dataclasses
 import hashlib
 import math
+import random
 import re
 import traceback
-from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Hashable, Protocol, Sequence, runtime_checkable
 
 REWARD_PARTS = ("outcome", "format", "cost", "process")
 EPISODE_OVER = "The episode is over."  # the observation of any step after the end
@@ -48,6 +49,27 @@ def hashed_split(key: str) -> tuple[str, str]:
   so the splits stay disjoint whatever seed or n generated the tasks."""
   digest = hashlib.sha256(key.encode()).hexdigest()
   return ("test" if int(digest, 16) % 5 == 0 else "train"), digest
+
+
+def hashed_draws(split: str, n: int, seed: int, draw: Callable[[random.Random], tuple[str, Any]]
+                 ) -> list[tuple[str, str, Any]]:
+  """`n` distinct problems of `split`: `draw(rng)` -> (text, payload) is
+  called with a `random.Random(seed)` until `n` texts hash into `split`
+  (`hashed_split`: about 1 in 5 is a test problem). Returns (text, sha256
+  of the text, payload) triples; ValueError if `n` are not found."""
+  rng = random.Random(seed)
+  out, seen = [], set()
+  for _ in range(100 * n + 1000):  # generous: each draw succeeds ~1 in 5
+    if len(out) == n:
+      return out
+    text, payload = draw(rng)
+    where, digest = hashed_split(text)
+    if digest not in seen and where == split:
+      seen.add(digest)
+      out.append((text, digest, payload))
+  if len(out) < n:
+    raise ValueError(f"found only {len(out)} of {n} distinct {split} problems")
+  return out
 
 
 def strip_think(text: str) -> str:

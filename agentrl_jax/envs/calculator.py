@@ -19,7 +19,7 @@ import random
 import re
 from typing import Any, Callable
 
-from agentrl_jax.envs.base import (Expert, Task, TextEnvironment, canonical_text, hashed_split,
+from agentrl_jax.envs.base import (Expert, Task, TextEnvironment, canonical_text, hashed_draws,
                                    tool_call)
 
 SPLITS = ("train", "test")
@@ -203,22 +203,11 @@ class CalculatorEnv(TextEnvironment):
     unknown = set(levels) - set(_TEMPLATES)
     if unknown or not levels:
       raise ValueError(f"unknown levels {sorted(unknown)}; known: {sorted(_TEMPLATES)}")
-    rng = random.Random(seed)
-    out, seen = [], set()
-    for _ in range(100 * n + 1000):  # generous: each draw succeeds ~1 in 5
-      if len(out) == n:
-        break
-      text, steps = rng.choice(_TEMPLATES[rng.choice(levels)])(rng)
-      where, digest = hashed_split(text)
-      if digest in seen or where != split:
-        continue
-      seen.add(digest)
-      out.append(Task(f"calc/{digest[:16]}", text,
-                      {"answer": int(safe_eval(steps[-1])), "steps": tuple(steps)},
-                      len(steps) - 1))
-    if len(out) < n:
-      raise ValueError(f"found only {len(out)} of {n} distinct {split} tasks for levels {levels}")
-    return out
+    draws = hashed_draws(split, n, seed,
+                         lambda rng: rng.choice(_TEMPLATES[rng.choice(levels)])(rng))
+    return [Task(f"calc/{digest[:16]}", text,
+                 {"answer": int(safe_eval(steps[-1])), "steps": tuple(steps)}, len(steps) - 1)
+            for text, digest, steps in draws]
 
   @classmethod
   def expert(cls, task: Task) -> Expert:

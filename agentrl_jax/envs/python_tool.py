@@ -28,7 +28,7 @@ import re
 import string
 from typing import Any, Callable
 
-from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_split, tool_call
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_draws, tool_call
 from agentrl_jax.envs.sandbox import Sandbox, SandboxResult
 
 SPLITS = ("train", "test")
@@ -262,22 +262,16 @@ class PythonToolEnv(TextEnvironment):
     about 1 in 5 is a test task), kinds drawn uniformly."""
     if split not in SPLITS:
       raise ValueError(f"unknown split {split!r}; known: {SPLITS}")
-    rng = random.Random(seed)
-    out, seen = [], set()
-    for _ in range(100 * n + 1000):  # generous: each draw succeeds ~1 in 5
-      if len(out) == n:
-        break
+
+    def draw(rng: random.Random):
       name = rng.choice(sorted(_KINDS))
       kind, level = _KINDS[name]
       prompt, solution, cases_fn = kind(rng)
-      where, digest = hashed_split(prompt)
-      if digest in seen or where != split:
-        continue
-      seen.add(digest)
-      out.append(_make_task(name, prompt, solution, cases_fn, digest, level))
-    if len(out) < n:
-      raise ValueError(f"found only {len(out)} of {n} distinct {split} tasks")
-    return out
+      return prompt, (name, solution, cases_fn, level)
+
+    return [_make_task(name, prompt, solution, cases_fn, digest, level)
+            for prompt, digest, (name, solution, cases_fn, level)
+            in hashed_draws(split, n, seed, draw)]
 
   @classmethod
   def expert(cls, task: Task) -> Expert:
