@@ -171,6 +171,20 @@ def test_declares_the_contract_and_is_registered():
   assert env.tasks("train", 2, 0, operations=(4,)) == A.tasks("train", 2, 0, operations=(4,))
 
 
+def test_without_the_tool_one_turn_answers_the_same_problems():
+  env = envs.make("arithmetic", with_tool=False)
+  spec = envs.check(env, need_tasks=True)
+  assert spec.tools == () and spec.system_prompt == A.NO_TOOL_SYSTEM_PROMPT
+  assert env.tasks("test", 5, 3) == A.tasks("test", 5, 3)
+  task = A.tasks("train", 1, 0)[0]
+  for answer, reward in ((str(task.data["answer"]), 1.0), (str(task.data["answer"] + 1), 0.0),
+                         (A.tools_lib.render_call("calculate", {"expression": "1 + 1"}), 0.0)):
+    assert env.reset(task)[0] == task.prompt
+    result = env.step(answer)
+    assert result.terminated and result.reward == reward
+    assert result.info["success"] == (reward == 1.0)
+
+
 def test_the_expert_solves_every_task_through_the_env():
   for task in A.tasks("train", 100, 0) + A.tasks("test", 100, 0):
     env = envs.make("arithmetic")

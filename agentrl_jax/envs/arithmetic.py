@@ -26,11 +26,13 @@ import re
 from typing import Callable, Union
 
 from agentrl_jax import tools as tools_lib
-from agentrl_jax.envs.base import Expert, Task, hashed_draws
+from agentrl_jax.envs.base import Expert, Task, TextEnvironment, hashed_draws
 from agentrl_jax.envs.calculator import safe_eval
 from agentrl_jax.envs.tool_env import ToolEnv
 
 SPLITS = ("train", "test")
+NO_TOOL_SYSTEM_PROMPT = (
+    "Solve the word problem. Reply with the final number alone.")
 SYSTEM_PROMPT = (
     "Solve the word problem. Do every calculation with the calculate tool; it takes "
     "numbers, + - * / and parentheses. When you have the final result, reply with the "
@@ -249,11 +251,32 @@ def expert(task: Task) -> Expert:
   return lambda observation: next(actions)
 
 
-def arithmetic_env(**kwargs):
+class NoToolArithmetic(TextEnvironment):
+  """The same problems answered without a tool, in one turn: the baseline a
+  calculator must beat (`arithmetic_env(with_tool=False)`)."""
+
+  system_prompt = NO_TOOL_SYSTEM_PROMPT
+  stop_strings = ()
+
+  def _reset(self, task: Task) -> str:
+    return task.prompt
+
+  def _step(self, action: str):
+    return "", {"outcome": exact_answer(self.task, action)}, True, {}
+
+  @staticmethod
+  def tasks(split: str, n: int, seed: int, **kwargs) -> list[Task]:
+    return tasks(split, n, seed, **kwargs)
+
+
+def arithmetic_env(*, with_tool: bool = True, **kwargs):
   """The arithmetic `ToolEnv`; kwargs go to it (format_penalty, call_cost,
   ...). Needs a chat format that renders tools, e.g.
   `--config.env.chat_format=qwen2.5`, and `rollout.max_turns >= 5` for the
-  four-operation problems' expert."""
+  four-operation problems' expert. `with_tool=False`: `NoToolArithmetic`,
+  the problems answered in one turn without the tool (no expert)."""
+  if not with_tool:
+    return NoToolArithmetic(**kwargs)
   kwargs.setdefault("system_prompt", SYSTEM_PROMPT)
   return ToolEnv(tools=[_calculate_tool()], reward_fn=exact_answer, tasks=tasks, expert=expert,
                  **kwargs)
