@@ -63,7 +63,8 @@ def get_config(arg: str = ""):
   c.rollout.system_prompt = None  # the environment's instructions
   c.rollout.max_turns = 6  # four calculations, the answer, one spare
   c.rollout.max_action_tokens = 48
-  c.rollout.max_observation_tokens = 32
+  # Problems and results: digits are one token each in its vocabulary.
+  c.rollout.max_observation_tokens = 128
   c.sampler.num_slots = 32
   c.sampler.cache_length = 1024
   c.sampler.length_buckets = (64, 256, 1024)
