@@ -467,7 +467,11 @@ def test_whitened_gae_advantages_reach_the_step():
 
 def test_the_reset_observation_is_cut_like_any_other():
   engine = _trainer({"max_observation_tokens": 16}, {}).engine
-  (traj, _) = engine.run([Task("long", "word " * 400, {"label": "left"})], 2).trajectories
+  with pytest.warns(RuntimeWarning, match=re.escape(
+      "1 task(s) have a reset observation longer than rollout.max_observation_tokens=16, "
+      "cut with a marker: ['long']")):
+    (traj, _) = engine.run([Task("long", "word " * 400, {"label": "left"})], 2).trajectories
+  assert traj.metadata["prompt_cut"]
   prompt = engine.tok.decode(traj.segments[0].token_ids)
   assert "word word" in prompt and "...[truncated" in prompt and len(traj.segments[0]) < 100
 

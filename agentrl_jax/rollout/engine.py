@@ -223,6 +223,11 @@ class RolloutEngine:
     trajectories = [self._record(ep, policy_version) for ep in done if ep.segments]
     failed = [ep.failure() for ep in done if not ep.segments]
     self._long_prompts(failed)
+    cut = sorted({ep.task.task_id for ep in done if ep.extra_metadata.get("prompt_cut")}, key=str)
+    if cut:
+      warnings.warn(f"{len(cut)} task(s) have a reset observation longer than "
+                    f"rollout.max_observation_tokens={self.config.max_observation_tokens}, "
+                    f"cut with a marker: {cut}", RuntimeWarning, stacklevel=2)
     calls = self._scheduler.calls
     return RolloutResult(trajectories, stats.summary(
         trajectories, failed, calls.drain_latencies(), calls.abandoned - stats.abandoned),

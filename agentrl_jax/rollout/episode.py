@@ -258,6 +258,8 @@ class Episode:
     observation, info = reset
     fmt = self.turn_format
     self.observation = fmt.clip_observation(observation)
+    if self.observation != observation:  # the engine names such tasks
+      self.extra_metadata["prompt_cut"] = True
     self.state_keys.append(info.get("state_key"))
     prompt = fmt.prompt_ids(self.observation)
     if len(prompt) + fmt.min_action_tokens > fmt.max_context:
