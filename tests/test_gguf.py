@@ -11,7 +11,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flax import nnx
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
