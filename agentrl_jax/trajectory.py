@@ -17,6 +17,7 @@ module decodes or re-encodes text.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import math
@@ -423,6 +424,10 @@ class TokenBatch:
   seq_ids: jax.Array  # [B, L] int32, index into collate's input list; -1 on padding
   positions: jax.Array  # [B, L] int32, position within its own sequence (view)
   returns: jax.Array  # [B, L] float32, value targets at turn starts (GAE); else 0
+  # [B, L] int32, tree rows (`pack_batch(share_prompts=True)`): on a shared
+  # prompt's tokens (seq id -1: in no sequence's loss) and on those of the
+  # sequences that continue it, that prompt's number within its row; else -1
+  prefix_ids: jax.Array
 
   @property
   def padding_mask(self) -> jax.Array:
@@ -433,23 +438,39 @@ class TokenBatch:
 # Every TokenBatch field, with the value `collate` writes on padding.
 _PAD_VALUES = {"tokens": 0, "loss_mask": 0.0, "old_logprobs": 0.0,
                "sampling_logprobs": 0.0, "advantages": 0.0,
-               "turn_index": -1, "seq_ids": -1, "positions": 0, "returns": 0.0}
+               "turn_index": -1, "seq_ids": -1, "positions": 0, "returns": 0.0,
+               "prefix_ids": -1}
 _BATCH_FIELDS = tuple(_PAD_VALUES)
 
 
-def attention_mask(seq_ids: jax.Array) -> jax.Array:
+def abstract_batch(rows: int, length: int) -> TokenBatch:
+  """A [rows, length] TokenBatch of `jax.ShapeDtypeStruct`s: a step lowered
+  on it is compiled for that shape, allocating nothing."""
+  return TokenBatch(**{
+      f: jax.ShapeDtypeStruct((rows, length), np.int32 if isinstance(v, int) else np.float32)
+      for f, v in _PAD_VALUES.items()})
+
+
+def attention_mask(seq_ids: jax.Array, prefix_ids: jax.Array | None = None) -> jax.Array:
   """Causal mask that never crosses trajectories (packed rows) or padding.
 
   seq_ids: [B, L] int32 as in `TokenBatch.seq_ids` (-1 on padding).
+  prefix_ids: [B, L] int32 as in `TokenBatch.prefix_ids` (tree rows), or
+    None: a shared prompt's tokens (seq id -1, prefix id p) attend to one
+    another, and the sequences continuing prompt p attend to it too.
   Returns [B, L, L] bool: entry (b, i, j) is True iff token i may attend to
-  token j, i.e. j <= i and both belong to the same trajectory. Padding
-  queries attend to nothing (their rows are all False).
+  token j, i.e. j <= i and both belong to the same trajectory (or j to the
+  prompt i's trajectory continues). Padding queries attend to nothing
+  (their rows are all False).
   """
   length = seq_ids.shape[-1]
   causal = np.tril(np.ones((length, length), bool))
-  same = seq_ids[..., :, None] == seq_ids[..., None, :]
-  valid = (seq_ids >= 0)[..., :, None]
-  return same & valid & causal
+  same = (seq_ids[..., :, None] == seq_ids[..., None, :]) & (seq_ids >= 0)[..., :, None]
+  if prefix_ids is not None:
+    prompt = (seq_ids < 0) & (prefix_ids >= 0)  # the keys of a shared prompt
+    same = same | ((prefix_ids[..., :, None] == prefix_ids[..., None, :])
+                   & prompt[..., None, :])
+  return same & causal
 
 
 def bucket_length(length: int, buckets: Sequence[int]) -> int:
@@ -561,35 +582,56 @@ def collate(trajectories: Sequence[Trajectory], *,
   return TokenBatch(
       tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
       sampling_logprobs=sampling_logprobs, advantages=np.zeros(shape, np.float32), turn_index=turn_index,
-      seq_ids=seq_ids, positions=positions, returns=np.zeros(shape, np.float32))
+      seq_ids=seq_ids, positions=positions, returns=np.zeros(shape, np.float32),
+      prefix_ids=np.full(shape, -1, np.int32))
 
 
-def pack_batch(batch: TokenBatch, row_multiple: int = 1) -> TokenBatch:
+def pack_batch(batch: TokenBatch, row_multiple: int = 1, *, share_prompts: bool = False,
+               row_length: int | None = None) -> TokenBatch:
   """The sequences of a collated batch, packed into as few rows as fit.
 
   Sequence packing for the train step: rows of one short episode each are
   mostly padding, which the step's forward and backward still compute.
   Every sequence (a run of one seq id in a row, as `collate` lays them out)
   moves whole, with all its per-token fields, into rows of the same length
-  L by first-fit decreasing; the views of one sliding-window trajectory
+  by first-fit decreasing; the views of one sliding-window trajectory
   (rows sharing a seq id) never share a row. Attention (`attention_mask`)
   and the per-sequence loss aggregations read `seq_ids`, so the step's loss
   and gradient are those of the unpacked batch (up to summation order).
 
+  With `share_prompts` (tree rows, AReaL's "tree training"), sequences that
+  begin with the same tokens (a group's prompt; the system turn of every
+  task) hold those tokens once: the shared prompt, then each sequence's
+  rest, its positions going on from the prompt's end; each rest attends to
+  the prompt and to itself (`TokenBatch.prefix_ids`). A shared prompt ends
+  before the first token in any member's loss, so every loss token is still
+  predicted by the state just before it, of the same sequence: the loss and
+  gradient are again the unshared batch's. Sequences are grouped greedily
+  in token order (members sort next to the sequences they share most with),
+  a group growing while the tokens it saves do not shrink and it fits a
+  row; views of a sliding-window trajectory are never shared.
+
   Args:
-    batch: a host TokenBatch [B, L] of numpy arrays.
+    batch: a host TokenBatch [B, L] of numpy arrays, not yet packed.
     row_multiple: the row count rounds up to a multiple of this (at least
       one multiple), so the jitted step sees few shapes.
+    share_prompts: share common prompts (above).
+    row_length: the packed rows' length (>= L); None: L.
   Returns:
-    A TokenBatch [B', L], B' a multiple of `row_multiple`, its seq ids
-    renumbered 0..n-1 in their order (so that they stay below B' x L, which
-    `distributed.global_batch` relies on), padding rows as in `collate`.
+    A TokenBatch [B', row_length], B' a multiple of `row_multiple`, its seq
+    ids renumbered 0..n-1 in their order (so that they stay below B' x L,
+    which `distributed.global_batch` relies on), padding rows as in `collate`.
   """
   if row_multiple < 1:
     raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
   arrays = {f: np.asarray(getattr(batch, f)) for f in _BATCH_FIELDS}
+  if (arrays["prefix_ids"] >= 0).any():
+    raise ValueError("the batch is already packed with shared prompts")
   ids = arrays["seq_ids"]
   length = ids.shape[1]
+  row_length = row_length or length
+  if row_length < length:
+    raise ValueError(f"row_length={row_length} < the batch's rows of {length} tokens")
   segments = []  # (row, start, end) of every run of one seq id >= 0
   for r in range(ids.shape[0]):
     cuts = np.flatnonzero(np.diff(ids[r])) + 1
@@ -597,20 +639,79 @@ def pack_batch(batch: TokenBatch, row_multiple: int = 1) -> TokenBatch:
       if ids[r, start] >= 0:
         segments.append((r, int(start), int(end)))
   owners = [int(ids[r, a]) for r, a, _ in segments]
-  rows = _pack_rows([e - a for _, a, e in segments], length, owners)
+  # Units of one row each: (shared prompt length, member segments).
+  units = (_prompt_trees(arrays, segments, owners, row_length) if share_prompts
+           else [(0, [i]) for i in range(len(segments))])
+  sizes = [p + sum(segments[i][2] - segments[i][1] - p for i in members)
+           for p, members in units]
+  unit_owners = [owners[m[0]] if len(m) == 1 else -2 - u for u, (_, m) in enumerate(units)]
+  rows = _pack_rows(sizes, row_length, unit_owners)
   n_rows = row_multiple * max(1, -(-len(rows) // row_multiple))
-  out = {f: np.full((n_rows, length), _PAD_VALUES[f], a.dtype) for f, a in arrays.items()}
-  for new_row, members in enumerate(rows):
-    at = 0
-    for i in members:
-      r, a, e = segments[i]
-      for f in out:
-        out[f][new_row, at:at + e - a] = arrays[f][r, a:e]
-      at += e - a
+  out = {f: np.full((n_rows, row_length), _PAD_VALUES[f], a.dtype)
+         for f, a in arrays.items()}
+
+  def put(row, at, r, a, e):
+    for f in out:
+      out[f][row, at:at + e - a] = arrays[f][r, a:e]
+    return at + e - a
+
+  for new_row, row in enumerate(rows):
+    at, trees = 0, 0
+    for u in row:
+      prompt, members = units[u]
+      first = at
+      if prompt:  # in no sequence: no loss, no seq id
+        r, a, _ = segments[members[0]]
+        at = put(new_row, at, r, a, a + prompt)
+        out["seq_ids"][new_row, first:at] = -1
+      for i in members:
+        r, a, e = segments[i]
+        at = put(new_row, at, r, a + prompt, e)
+      if prompt:
+        out["prefix_ids"][new_row, first:at] = trees
+        trees += 1
   packed = out["seq_ids"]
   dense = np.searchsorted(np.unique(owners), packed)  # owners sorted: their order kept
   out["seq_ids"] = np.where(packed >= 0, dense, -1).astype(np.int32)
   return TokenBatch(**out)
+
+
+def _prompt_trees(arrays: dict[str, np.ndarray], segments: list[tuple[int, int, int]],
+                  owners: list[int], row_length: int) -> list[tuple[int, list[int]]]:
+  """`pack_batch`'s units: (shared prompt length, member segments), each
+  sharing its members' common first tokens, all before any loss token."""
+  counts = collections.Counter(owners)
+  tokens = [arrays["tokens"][r, a:e] for r, a, e in segments]
+  # A prompt may take the tokens before a member's first loss token but one
+  # (so the state predicting that token is the member's own).
+  room = []
+  for (r, a, e) in segments:
+    in_loss = np.flatnonzero(arrays["loss_mask"][r, a:e] > 0)
+    room.append(max(0, (in_loss[0] if in_loss.size else e - a) - 1))
+  shareable = [i for i in range(len(segments)) if counts[owners[i]] == 1 and room[i] > 0]
+  units = [(0, [i]) for i in sorted(set(range(len(segments))) - set(shareable))]
+  order = sorted(shareable, key=lambda i: tuple(tokens[i][:room[i]]))
+
+  def common(i, j, limit):
+    n = min(limit, len(tokens[i]), len(tokens[j]))
+    diff = np.flatnonzero(tokens[i][:n] != tokens[j][:n])
+    return int(diff[0]) if diff.size else n
+
+  group, prompt, size = [], 0, 0
+  for i in order:
+    n = len(tokens[i])
+    if group:
+      # Sorted: the group's common prefix is its first and last member's.
+      p = common(group[0], i, min(prompt, room[i]))
+      grown = size + (len(group) - 1) * prompt - len(group) * p + n
+      if p > 0 and len(group) * p >= (len(group) - 1) * prompt and grown <= row_length:
+        group, prompt, size = group + [i], p, grown
+        continue
+      units.append((prompt if len(group) > 1 else 0, group))
+    group, prompt, size = [i], room[i], n
+  if group:
+    units.append((prompt if len(group) > 1 else 0, group))
+  return units
 
 
 def turn_arrays(trajectories: Sequence[Trajectory], num_turns: int | None = None

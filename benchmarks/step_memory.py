@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from agentrl_jax import models, train
-from agentrl_jax.trajectory import TokenBatch
+from agentrl_jax.trajectory import abstract_batch
 
 GIB = 2**30
 
@@ -44,12 +44,7 @@ def step_memory(cfg, rows: int, length: int, micro_batches: int) -> dict[str, fl
   graphdef = nnx.split(abstract_model, nnx.Param)[0]
   state = jax.eval_shape(lambda: train.init_train_state(
       models.Decoder(cfg, rngs=nnx.Rngs(0)), tx, with_reference=True)[1])
-  like = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype)
-  batch = TokenBatch(tokens=like(jnp.int32), loss_mask=like(jnp.float32),
-                     old_logprobs=like(jnp.float32), sampling_logprobs=like(jnp.float32),
-                     advantages=like(jnp.float32),
-                     turn_index=like(jnp.int32), seq_ids=like(jnp.int32),
-                     positions=like(jnp.int32), returns=like(jnp.float32))
+  batch = abstract_batch(rows, length)
   step = train.RLStep(graphdef, tx, train.LossConfig(kl_beta=0.01,
                                                      micro_batches=micro_batches))
   t0 = time.perf_counter()

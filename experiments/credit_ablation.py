@@ -446,7 +446,8 @@ def example_advantages(size: str, root, arms=ARM_NAMES, *, env: str = "frozen_la
   out = {"turn_rewards": reward_rows,
          "success": np.asarray([t.metadata["success"] for t in trajs])}
   if needs_values:
-    hidden, _ = critic.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
+    hidden, _ = critic.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids,
+                                     prefix_ids=batch.prefix_ids)
     values = np.asarray(critic.values(hidden))
   if any(credit.scheme(e).needs_branches for e in estimators.values()):
     branch_values, _, _ = rl.branch_values_of(engine, tasks, trajs, cfg.rl.branch_size,

@@ -21,8 +21,10 @@ bucket): every process writes its shards of a checkpoint, and process 0 the
 metrics, plots and summary.
 """
 
+import dataclasses
 import importlib.util
 import itertools
+import math
 import json
 import os
 import pathlib
@@ -45,7 +47,7 @@ from agentrl_jax import (checkpointing, distributed, envs, metrics, models, shar
 from agentrl_jax import tokenizer as tok_lib
 from agentrl_jax.rollout import RolloutConfig, RolloutEngine
 from agentrl_jax.sampling import Sampler
-from agentrl_jax.train import credit, presets, rl, sft
+from agentrl_jax.train import credit, memory, presets, rl, sft
 from configs import base as config_base
 import plot_curves
 
@@ -159,6 +161,46 @@ def _refill(pool, chosen, rng):
   return draw
 
 
+def fit_memory(cfg, graphdef, state, tx, rl_tx, sampler, mesh) -> tuple[int, int]:
+  """(SFT's, RL's) micro-batches: the configured ones, or the fewest more
+  that bring each step's estimate (`train.memory`, at its largest batch:
+  `sft.batch_size` or every episode of an iteration, rows of the largest
+  bucket) under the memory budget; MemoryBudgetError where none does.
+  `memory_gb` < 0 skips the estimates."""
+  if cfg.memory_gb < 0:
+    return cfg.sft.micro_batches, cfg.loss.micro_batches
+  budget = memory.memory_budget_gib(cfg.memory_gb)
+  length = max(cfg.rl.buckets)
+  # Held through both steps: the sampler's cache; its weights through SFT,
+  # and through RL's step when rollouts run beside it (else dropped).
+  cache = memory.tree_gib(jax.eval_shape(sampler.init_state, 0))
+  weights = memory.tree_gib(sampler.params)
+  sft_micro, rl_micro = cfg.sft.micro_batches, cfg.loss.micro_batches
+  fitted = []
+  if cfg.sft.steps > 0:
+    est = memory.fit_micro_batches(
+        lambda n: train.SFTStep(graphdef, tx, mesh=mesh, micro_batches=n), state,
+        rows=cfg.sft.batch_size, length=length, budget_gib=budget, micro_batches=sft_micro,
+        other_gib=cache + weights, what="SFT's step")
+    sft_micro = est.micro_batches
+    fitted.append(("SFT", est))
+  if cfg.iterations > 0:
+    loss_cfg = train.LossConfig(**cfg.loss)
+    est = memory.fit_micro_batches(
+        lambda n: train.RLStep(graphdef, rl_tx, dataclasses.replace(loss_cfg, micro_batches=n),
+                               mesh=mesh), state,
+        rows=cfg.rl.tasks_per_iteration * cfg.rl.group_size, length=length,
+        budget_gib=budget, micro_batches=rl_micro,
+        multiple_of=cfg.rl.pack_row_multiple if cfg.rl.pack else None,
+        other_gib=cache + (weights if cfg.rl.max_staleness else 0.0), what="RL's step")
+    rl_micro = est.micro_batches
+    fitted.append(("RL", est))
+  if distributed.is_primary():
+    for what, est in fitted:
+      print(f"memory: {what} step {est.describe()}; budget {budget:.2f} GiB")
+  return sft_micro, rl_micro
+
+
 def run(cfg, workdir, explicit=()) -> dict | None:
   """SFT then RL as configured, into `workdir` (resuming from it); the summary
   (process 0's; the other processes of a multi-host run return None).
@@ -193,6 +235,9 @@ def run(cfg, workdir, explicit=()) -> dict | None:
   graphdef, state = train.init_train_state(model, tx if cfg.sft.steps > 0 else rl_tx,
                                            with_reference=cfg.loss.kl_beta > 0)
   del model  # the state and the sampler hold their own copies
+  # What each step needs, against the budget: a run that would not fit stops
+  # here, before any work (not killed mid-run).
+  sft_micro, rl_micro = fit_memory(cfg, graphdef, state, tx, rl_tx, sampler, mesh)
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=cfg.keep_checkpoints,
                                     write_gb=cfg.checkpoint_write_gb)
   progress = {"phase": "sft", "iteration": 0, "sft_success": None}
@@ -292,9 +337,12 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     stop = (sft.stop_at_success(check, target=cfg.sft.stop_at_success,
                                 every=cfg.sft.check_every)
             if cfg.sft.stop_at_success else None)
-    state = sft.distill(train.SFTStep(graphdef, tx, mesh=mesh), state, demos,
+    state = sft.distill(train.SFTStep(graphdef, tx, mesh=mesh, micro_batches=sft_micro),
+                        state, demos,
                         steps=cfg.sft.steps,
                         batch_size=cfg.sft.batch_size, buckets=cfg.rl.buckets,
+                        pack=cfg.rl.pack, share_prompts=cfg.rl.share_prompts,
+                        row_multiple=math.lcm(sft_micro, cfg.mesh.data * cfg.mesh.fsdp),
                         seed=cfg.seed, on_step=on_step, stop=stop)
     bar.close()
     if primary and progress["sft_steps"] < cfg.sft.steps:
@@ -326,8 +374,8 @@ def run(cfg, workdir, explicit=()) -> dict | None:
     print(f"held-out success after SFT: {progress['sft_success']:.3f}")
 
   # -- RL ------------------------------------------------------------------------------
-  trainer = rl.RLTrainer(engine, train.RLStep(graphdef, rl_tx, train.LossConfig(**cfg.loss),
-                                              mesh=mesh),
+  loss_cfg = train.LossConfig(**{**cfg.loss, "micro_batches": rl_micro})
+  trainer = rl.RLTrainer(engine, train.RLStep(graphdef, rl_tx, loss_cfg, mesh=mesh),
                          state, rl.RLConfig(**cfg.rl), seed=cfg.seed)
   first = progress["iteration"]
   postfix = {}

@@ -178,11 +178,13 @@ def test_rl_iteration_with_branching_baselines():
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_a_packed_iteration_makes_the_unpacked_update_on_fewer_rows(agg):
   tasks = LookupEnv.tasks("train", 2, 0)
-  trainers, rows, metrics = {}, {}, {}
-  for pack in (False, True):
+  trainers, batches, metrics = {}, {}, {}
+  layouts = {"rows": {}, "packed": {"pack": True},
+             "tree": {"pack": True, "share_prompts": True}}
+  for layout, kw in layouts.items():
     # Rows of 256 hold two or three of the random policy's episodes.
-    trainer = trainers[pack] = _trainer(
-        {}, {"pack": pack, "pack_row_multiple": 1, "buckets": (256,)},
+    trainer = trainers[layout] = _trainer(
+        {}, {**kw, "pack_row_multiple": 1, "buckets": (256,)},
         {"agg": agg, "ppo_epochs": 2})
     step, seen = trainer.step, []
 
@@ -194,24 +196,31 @@ def test_a_packed_iteration_makes_the_unpacked_update_on_fewer_rows(agg):
         seen.append(batch)
         return step(state, batch, *args)
     trainer.step = Spy()
-    metrics[pack] = trainer.iteration(tasks, 1)
-    rows[pack] = seen[0].tokens.shape[0]
-    assert metrics[pack]["train/rows"] == rows[pack]
-  # The same episodes (lockstep, the same seed), in fewer rows.
-  assert metrics[True]["rollout/sampler_fed_tokens"] == metrics[False]["rollout/sampler_fed_tokens"]
-  assert metrics[True]["train/batch_tokens"] == metrics[False]["train/batch_tokens"]
-  assert rows[False] == 4 and rows[True] < rows[False]
-  for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/approx_kl"):
-    np.testing.assert_allclose(metrics[True][key], metrics[False][key], rtol=1e-5, atol=1e-7,
-                               err_msg=key)
-  for a, b in zip(jax.tree.leaves(trainers[True].state.params),
-                  jax.tree.leaves(trainers[False].state.params), strict=True):
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    metrics[layout] = trainer.iteration(tasks, 1)
+    batches[layout] = seen[0]
+    assert metrics[layout]["train/rows"] == seen[0].tokens.shape[0]
+  rows = {k: b.tokens.shape[0] for k, b in batches.items()}
+  held = {k: int(np.sum((b.seq_ids >= 0) | (b.prefix_ids >= 0))) for k, b in batches.items()}
+  # The same episodes (lockstep, the same seed), in fewer rows; the tree's
+  # hold each group's prompt once.
+  assert rows["rows"] == 4 and rows["tree"] <= rows["packed"] < rows["rows"], rows
+  assert held["tree"] < held["packed"] == held["rows"], held
+  for layout in ("packed", "tree"):
+    for key in ("rollout/sampler_fed_tokens", "train/batch_tokens"):
+      assert metrics[layout][key] == metrics["rows"][key]
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/approx_kl"):
+      np.testing.assert_allclose(metrics[layout][key], metrics["rows"][key], rtol=1e-5,
+                                 atol=1e-7, err_msg=f"{layout} {key}")
+    for a, b in zip(jax.tree.leaves(trainers[layout].state.params),
+                    jax.tree.leaves(trainers["rows"].state.params), strict=True):
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
 def test_packing_rules():
   with pytest.raises(ValueError, match="pack_row_multiple"):
     rl.RLConfig(pack=True, pack_row_multiple=0)
+  with pytest.raises(ValueError, match="share_prompts.*set pack=True"):
+    rl.RLConfig(share_prompts=True)
   with pytest.raises(ValueError, match="micro_batches"):
     rl.check_sections(rl.RLConfig(pack=True, pack_row_multiple=3),
                       train.LossConfig(micro_batches=2), 128)
@@ -349,7 +358,7 @@ def _packed_episodes() -> TokenBatch:
   zeros = np.zeros_like(seq)
   return TokenBatch(tokens=zeros, loss_mask=mask, old_logprobs=mask * -0.3,
                     sampling_logprobs=mask * -0.3, advantages=adv, turn_index=turn, seq_ids=seq, positions=zeros,
-                    returns=mask * 0)
+                    returns=mask * 0, prefix_ids=np.full_like(seq, -1))
 
 
 def test_observation_credit_by_hand():

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from agentrl_jax import checkpointing, losses, models, train
+from agentrl_jax import checkpointing, losses, models, train, trajectory
 from agentrl_jax.trajectory import Role, Segment, Trajectory, collate
 
 
@@ -265,6 +265,25 @@ def test_sft_step_learns_the_action_tokens(model):
   assert step.traces == 1
 
 
+def test_sft_micro_batches_accumulate_the_full_batch_loss_exactly(model):
+  batch = _batch(5)  # rows of 1-3 turns: micro-batches hold unequal token counts
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def loss_fn(params):
+    logits = nnx.merge(graphdef, params)(batch.tokens, batch.positions, batch.seq_ids)
+    lp = losses.token_logprobs(logits, batch.tokens)
+    return -jnp.sum(lp * batch.loss_mask) / jnp.sum(batch.loss_mask)
+
+  want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params)
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for micro in (1, 2, 4):
+    graphdef, state = train.init_train_state(model, _CAPTURE, with_reference=False)
+    state, m = train.SFTStep(graphdef, _CAPTURE, micro_batches=micro)(state, batch)
+    np.testing.assert_allclose(m["sft_loss"], want_loss, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * scale)
+
+
 def _windowed_batch(seed=6, vocab=64):
   """8 sliding-window trajectories of 2-4 views each, one view per row.
 
@@ -341,6 +360,62 @@ def test_the_loss_at_a_temperature_is_the_tempered_policys_in_every_term(model):
 _CAPTURE = optax.GradientTransformation(
     lambda params: jax.tree.map(jnp.zeros_like, params),
     lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def _grouped_batch(seed=3, vocab=64, groups=3, group_size=3):
+  """Groups of episodes with one prompt each (a system turn every group
+  shares, then the group's task), unpacked, and its tree-packed form."""
+  rng = np.random.default_rng(seed)
+  system = list(rng.integers(0, vocab, 6))
+  trajs = []
+  for _ in range(groups):
+    task = list(rng.integers(0, vocab, 4))
+    for _ in range(group_size):
+      segs = [Segment(Role.SYSTEM, system + task)]
+      for _ in range(int(rng.integers(1, 3))):
+        a = rng.integers(0, vocab, int(rng.integers(2, 6)))
+        segs += [Segment(Role.ASSISTANT, a, -rng.uniform(3, 5, len(a))),
+                 Segment(Role.OBSERVATION, rng.integers(0, vocab, 3))]
+      trajs.append(Trajectory(segs, reward=1.0))
+  batch = collate(trajs, buckets=(32,))
+  adv = batch.loss_mask * rng.normal(size=batch.loss_mask.shape).astype(np.float32)
+  batch = batch.replace(advantages=adv)
+  tree = trajectory.pack_batch(batch, 2, share_prompts=True, row_length=64)
+  held = lambda b: np.sum((b.seq_ids >= 0) | (b.prefix_ids >= 0))
+  assert held(tree) < 0.85 * held(batch) and (tree.prefix_ids >= 0).any()
+  return batch, tree
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_tree_rows_give_the_unshared_loss_and_gradients(model, agg):
+  batch, tree = _grouped_batch()
+  base = dict(agg=agg, kl_beta=0.05, entropy_coef=0.01)
+  loss_fn, params = _reference_loss(model, batch, train.LossConfig(**base),
+                                    params_ref=params_of(model))
+  want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params)
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for micro in (1, 2):
+    _, got, m, _ = _run(model, train.LossConfig(**base, micro_batches=micro), tree,
+                        tx=_CAPTURE)
+    np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)
+  # The trainer's log-probs of every action token: the same, token by token.
+  graphdef, state = train.init_train_state(model, _CAPTURE, with_reference=False)
+  lp = lambda b: np.asarray(train.step.action_logprobs(graphdef, state.params, b, 32, chunk=64))
+  per_token = lambda b, x: {(int(s), int(p)): float(v) for s, p, v, on in zip(
+      b.seq_ids.ravel(), b.positions.ravel(), x.ravel(), b.loss_mask.ravel()) if on}
+  flat, shared = per_token(batch, lp(batch)), per_token(tree, lp(tree))
+  assert flat.keys() == shared.keys()
+  np.testing.assert_allclose([shared[k] for k in flat], list(flat.values()), atol=1e-5)
+  # SFT too.
+  sft = [train.SFTStep(*train.init_train_state(model, _CAPTURE, with_reference=False)[:1],
+                       _CAPTURE)]
+  outs = [sft[0](train.init_train_state(model, _CAPTURE, with_reference=False)[1], b)
+          for b in (batch, tree)]
+  np.testing.assert_allclose(outs[1][1]["sft_loss"], outs[0][1]["sft_loss"], rtol=1e-5)
+  for g, w in zip(jax.tree.leaves(outs[1][0].opt_state), jax.tree.leaves(outs[0][0].opt_state)):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("layout", ["plain", "packed", "windowed"])

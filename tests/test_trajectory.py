@@ -405,6 +405,83 @@ def test_attention_mask_never_crosses_trajectories():
   np.testing.assert_array_equal(mask, want)
 
 
+def test_attention_mask_of_a_tree_row_by_hand():
+  # A shared prompt (2 tokens), the rests of sequences 0 and 1, sequence 2
+  # on its own, padding.
+  seq_ids = np.array([[-1, -1, 0, 0, 1, 1, 1, 2, 2, -1]])
+  prefix_ids = np.array([[0, 0, 0, 0, 0, 0, 0, -1, -1, -1]])
+  mask = np.asarray(attention_mask(seq_ids, prefix_ids))[0]
+  want = np.array([
+      [1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+      [1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+      [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+      [1, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+      [1, 1, 0, 0, 1, 0, 0, 0, 0, 0],
+      [1, 1, 0, 0, 1, 1, 0, 0, 0, 0],
+      [1, 1, 0, 0, 1, 1, 1, 0, 0, 0],
+      [0, 0, 0, 0, 0, 0, 0, 1, 0, 0],
+      [0, 0, 0, 0, 0, 0, 0, 1, 1, 0],
+      [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], bool)
+  np.testing.assert_array_equal(mask, want)
+  np.testing.assert_array_equal(np.asarray(attention_mask(seq_ids, np.full_like(seq_ids, -1))),
+                                np.asarray(attention_mask(seq_ids)))
+
+
+def _prompted(prompt, rest_ids, first_action=1):
+  """A trajectory: `prompt` (system), then `first_action` observation
+  tokens of the rest, then its first action and the remaining tokens."""
+  obs, act = rest_ids[:first_action], rest_ids[first_action:]
+  return Trajectory([Segment(Role.SYSTEM, prompt + obs),
+                     Segment(Role.ASSISTANT, act, [-0.5] * len(act))], reward=1.0)
+
+
+def test_pack_batch_shares_prompts_by_hand():
+  sys_ = [7, 7, 7]
+  a = _prompted(sys_ + [1, 1], [9, 20, 21])  # prompt 7 7 7 1 1 9, actions 20 21
+  b = _prompted(sys_ + [1, 1], [9, 30])
+  c = _prompted(sys_ + [2], [9, 40, 41])  # another task, the same system turn
+  d = Trajectory([Segment(Role.SYSTEM, [5]), Segment(Role.ASSISTANT, [6], [-0.5])], 1.0)
+  batch = _painted(collate([a, b, c, d], buckets=(8,), num_rows=5))
+  tree = pack_batch(batch, share_prompts=True, row_length=16)
+  # a and b share 7 7 7 1 1 (the tokens before their first action but one);
+  # c joins them on 7 7 7: the group saves 2 x 3 = 6 >= 1 x 5 tokens.
+  # Sorted by their prompts: a, b (7 7 7 1 1 ...), then c (7 7 7 2 ...).
+  np.testing.assert_array_equal(tree.tokens[0], [7, 7, 7, 1, 1, 9, 20, 21, 1, 1, 9, 30, 2, 9,
+                                                 40, 41])
+  np.testing.assert_array_equal(tree.seq_ids[0], [-1] * 3 + [0] * 5 + [1] * 4 + [2] * 4)
+  np.testing.assert_array_equal(tree.prefix_ids[0], [0] * 16)
+  np.testing.assert_array_equal(tree.positions[0], [0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6,
+                                                    3, 4, 5, 6])
+  np.testing.assert_array_equal(tree.loss_mask[0], [0] * 6 + [1, 1] + [0, 0, 0, 1]
+                                + [0, 0, 1, 1])
+  # Each token's other fields came with it (painted: seq id x 100 + position).
+  real = tree.seq_ids >= 0
+  np.testing.assert_array_equal(tree.advantages[real],
+                                tree.seq_ids[real] * 100.0 + tree.positions[real])
+  np.testing.assert_array_equal(tree.advantages[0, :3], [0, 1, 2])  # a's, in no loss
+  # d shares nothing: alone, as pack_batch lays it out.
+  np.testing.assert_array_equal(tree.seq_ids[1], [3, 3] + [-1] * 14)
+  np.testing.assert_array_equal(tree.prefix_ids[1], [-1] * 16)
+  assert tree.tokens.shape == (2, 16)
+  with pytest.raises(ValueError, match="already packed"):
+    pack_batch(tree, share_prompts=True)
+  with pytest.raises(ValueError, match="row_length"):
+    pack_batch(batch, row_length=4)
+  # Rows of 8 hold no group (a and b together take 8 + 7 - 5 = 10): none shares.
+  small = pack_batch(batch, share_prompts=True, row_length=8)
+  np.testing.assert_array_equal(small.prefix_ids.max(axis=1) >= 0,
+                                [False] * small.tokens.shape[0])
+
+
+def test_pack_batch_never_shares_a_sliding_window_view():
+  prompt = [1, 2]
+  trajs = [windowed_traj(), _prompted(prompt, [3, 20]), _prompted(prompt, [3, 30])]
+  batch = _painted(collate(trajs, buckets=(16,)))
+  tree = pack_batch(batch, share_prompts=True)
+  shared = np.unique(tree.seq_ids[tree.prefix_ids >= 0])
+  np.testing.assert_array_equal(shared, [-1, 1, 2])
+
+
 def test_turn_arrays():
   t1 = exercise6_traj()  # dense: [0, 1]
   t2 = Trajectory([Segment(Role.ASSISTANT, [1], [-1.0])], reward=0.5)  # sparse

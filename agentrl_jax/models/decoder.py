@@ -3,8 +3,9 @@ an optional KV cache.
 
 One forward serves the trainer and the sampler, so both compute the same
 function:
-- training: `model(tokens, positions, seq_ids)`; attention is causal and
-  never crosses `seq_ids` (packed rows, padding = -1), as in
+- training: `model(tokens, positions, seq_ids, prefix_ids)`; attention is
+  causal and never crosses `seq_ids` (packed rows, padding = -1) except
+  into a shared prompt (`prefix_ids`, tree rows), as in
   `trajectory.attention_mask`;
 - sampling: `model.hidden_states(tokens, positions, cache=cache)` writes the
   new keys/values into the cache at `positions` and attends to every cached
@@ -441,6 +442,7 @@ class Decoder(nnx.Module):
 
   def hidden_states(self, tokens: jax.Array, positions: jax.Array, *,
                     seq_ids: jax.Array | None = None,
+                    prefix_ids: jax.Array | None = None,
                     cache: KVCache | None = None
                     ) -> tuple[jax.Array, KVCache | None]:
     """Final-normed hidden states [B, L, d], and the updated cache.
@@ -450,6 +452,8 @@ class Decoder(nnx.Module):
       positions: [B, L] int position of each token in its own sequence.
       seq_ids: [B, L] int sequence id (-1 on padding); training only. None
         means one sequence per row.
+      prefix_ids: [B, L] int shared-prompt ids of tree rows
+        (`TokenBatch.prefix_ids`), or None; training only.
       cache: a KVCache to write into and attend over (sampling), or None.
     """
     chex.assert_rank([tokens, positions], 2)
@@ -458,11 +462,11 @@ class Decoder(nnx.Module):
     if cache is None:
       if seq_ids is None:
         seq_ids = jnp.zeros(tokens.shape, jnp.int32)
-      mask = attention_mask(seq_ids)
+      mask = attention_mask(seq_ids, prefix_ids)
       key_positions = positions
     else:
-      if seq_ids is not None:
-        raise ValueError("seq_ids is for training batches; a cache has slots")
+      if seq_ids is not None or prefix_ids is not None:
+        raise ValueError("seq_ids and prefix_ids are for training batches; a cache has slots")
       key_positions = jnp.arange(cache.length)[None]
       mask = key_positions[:, None, :] <= positions[:, :, None]
     x = self.embed(tokens)
@@ -508,9 +512,10 @@ class Decoder(nnx.Module):
     return self.value_head(hidden)[..., 0].astype(jnp.float32)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               seq_ids: jax.Array | None = None) -> jax.Array:
+               seq_ids: jax.Array | None = None,
+               prefix_ids: jax.Array | None = None) -> jax.Array:
     """Training forward: logits [B, L, V]; positions default to 0..L-1."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    hidden, _ = self.hidden_states(tokens, positions, seq_ids=seq_ids)
+    hidden, _ = self.hidden_states(tokens, positions, seq_ids=seq_ids, prefix_ids=prefix_ids)
     return self.logits(hidden)

@@ -132,6 +132,10 @@ class RLConfig:
   # smaller stays as it is. The loss and gradient are the unpacked ones.
   pack: bool = False
   pack_row_multiple: int = 8
+  # Tree rows (`pack_batch(share_prompts=True)`, with pack): episodes that
+  # begin alike (a group's prompt, every task's system turn) hold those
+  # tokens once, in rows of the largest bucket; the same loss and gradient.
+  share_prompts: bool = False
 
   def __post_init__(self):
     check_fields(self, [
@@ -147,6 +151,8 @@ class RLConfig:
         ("max_staleness", self.max_staleness >= 0, "must be >= 0"),
         ("top_variance_frac", 0 < self.top_variance_frac <= 1, "must be in (0, 1]"),
         ("pack_row_multiple", self.pack_row_multiple >= 1, "must be >= 1"),
+        ("share_prompts", self.pack or not self.share_prompts,
+         "shares prompts as it packs rows: set pack=True too"),
     ])
     if self.max_refill_tasks and self.top_variance_frac < 1:
       raise ValueError("max_refill_tasks refills groups to a count that top_variance_frac "
@@ -524,6 +530,7 @@ class RLTrainer:
     if cfg.pack:
       batch = self._packed(batch)
       most_actions = self._most_in_loss(batch)
+      length = batch.tokens.shape[1]  # tree rows are the largest bucket's
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics["train/rows"] = float(batch.tokens.shape[0] * jax.process_count())
     metrics["train/row_length"] = float(batch.tokens.shape[1])
@@ -550,10 +557,11 @@ class RLTrainer:
     """`batch` packed (`RLConfig.pack`), in the row count every process
     agrees on; as it is where packing would not make it smaller."""
     multiple = self.cfg.pack_row_multiple
-    packed = pack_batch(batch, multiple)
+    packed = pack_batch(batch, multiple, share_prompts=self.cfg.share_prompts,
+                        row_length=max(self.cfg.buckets) if self.cfg.share_prompts else None)
     rows, = distributed.agree_max([packed.tokens.shape[0]])
     rows = multiple * -(-int(rows) // multiple)
-    if rows >= batch.tokens.shape[0]:
+    if rows * packed.tokens.shape[1] >= batch.tokens.size:
       return batch
     return _pad_rows(packed, rows)
 
@@ -736,7 +744,7 @@ def _padding_batch(num_rows: int, length: int) -> TokenBatch:
                     old_logprobs=zeros(np.float32), sampling_logprobs=zeros(np.float32),
                     advantages=zeros(np.float32),
                     turn_index=empty, seq_ids=empty.copy(), positions=zeros(np.int32),
-                    returns=zeros(np.float32))
+                    returns=zeros(np.float32), prefix_ids=empty.copy())
 
 
 def _keep_groups_with_signal(batch: TokenBatch, trajs: Sequence[Trajectory],

@@ -19,7 +19,7 @@ from agentrl_jax.envs.base import Task
 from agentrl_jax.rollout import RolloutEngine
 from agentrl_jax.train.state import TrainState
 from agentrl_jax.train.step import SFTStep
-from agentrl_jax.trajectory import Trajectory, collate
+from agentrl_jax.trajectory import Trajectory, collate, pack_batch
 
 
 def expert_demos(engine: RolloutEngine, tasks: Sequence[Task], *,
@@ -47,9 +47,14 @@ def stop_at_success(success: Callable[[TrainState], float], *, target: float, ev
 
 def distill(step: SFTStep, state: TrainState, demos: Sequence[Trajectory], *,
             steps: int, batch_size: int, buckets: Sequence[int], seed: int = 0,
+            pack: bool = False, share_prompts: bool = False, row_multiple: int = 1,
             on_step: Callable[[int, dict], None] | None = None,
             stop: Callable[[int, TrainState], bool] | None = None) -> TrainState:
   """Up to `steps` SFT updates on minibatches drawn (seeded) from the demos.
+
+  pack, share_prompts: each minibatch's rows packed as RL's
+  (`trajectory.pack_batch`; shared prompts in rows of the largest bucket),
+  in a multiple of `row_multiple` rows; the loss is the unpacked one.
 
   stop(i, state), called after update i (0-based), ends SFT there when it
   returns True (e.g. once the policy solves enough validation tasks).
@@ -66,6 +71,9 @@ def distill(step: SFTStep, state: TrainState, demos: Sequence[Trajectory], *,
     picked, order = order[:batch_size], order[batch_size:]
     batch = collate([demos[j] for j in picked], buckets=buckets,
                     require_logprobs=False)
+    if pack:
+      batch = pack_batch(batch, row_multiple, share_prompts=share_prompts,
+                         row_length=max(buckets) if share_prompts else None)
     state, metrics = step(state, batch)
     if on_step is not None:
       on_step(i, {k: float(v) for k, v in jax.device_get(metrics).items()})

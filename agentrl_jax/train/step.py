@@ -144,7 +144,8 @@ def decision_mask(turn_index: jax.Array) -> jax.Array:
 def _hidden(graphdef: nnx.GraphDef, params, batch: TokenBatch):
   """(the model, its final hidden states [B, L, d] on a batch)."""
   model = nnx.merge(graphdef, params)
-  hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids)
+  hidden, _ = model.hidden_states(batch.tokens, batch.positions, seq_ids=batch.seq_ids,
+                                  prefix_ids=batch.prefix_ids)
   return model, hidden
 
 
@@ -520,12 +521,19 @@ class RLStep:
 class SFTStep:
   """Jitted masked cross-entropy on ASSISTANT tokens (expert distillation).
 
-  mesh: as for `RLStep`.
+  The loss is the mean over the batch's action tokens; `micro_batches`
+  splits the rows and accumulates the gradient exactly (each micro-batch's
+  sum over the whole batch's token count), so only one micro-batch's
+  activations exist at a time. mesh: as for `RLStep`.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
-               mesh: jax.sharding.Mesh | None = None, head_chunk: int = 1024):
+               mesh: jax.sharding.Mesh | None = None, head_chunk: int = 1024,
+               micro_batches: int = 1):
+    if micro_batches < 1:
+      raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     self.graphdef, self.tx, self.head_chunk = graphdef, tx, head_chunk
+    self.micro_batches = micro_batches
     self.traces = 0
     self._jit = _StepJit(self._step, mesh)
 
@@ -533,18 +541,33 @@ class SFTStep:
     """One step; `num_actions` as for `RLStep`."""
     return self._jit(state, batch, _action_bucket(batch, num_actions))
 
+  def lower(self, state: TrainState, batch: TokenBatch,
+            num_actions: int) -> dict[str, jax.stages.Lowered]:
+    """The step's program for these inputs, lowered (as `RLStep.lower`)."""
+    return {"step": self._jit.lower(state, batch, num_actions)}
+
   def _step(self, state: TrainState, batch: TokenBatch, num_actions: int):
     self.traces += 1
     index, valid = losses.action_positions(batch.loss_mask * (batch.seq_ids >= 0),
                                            num_actions)
     dropped = _dropped_actions(batch, valid)
+    count = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
 
-    def loss_fn(params):
-      out = action_heads(self.graphdef, model_params(state.frozen, params), batch, index,
+    def loss_fn(params, mb, mb_index, mb_valid):
+      out = action_heads(self.graphdef, model_params(state.frozen, params), mb, mb_index,
                          chunk=self.head_chunk, accuracy=True)
-      return -masked_mean(out["logprobs"], valid), masked_mean(out["accuracy"], valid)
+      return (-jnp.sum(jnp.where(mb_valid, out["logprobs"], 0.0)) / count,
+              jnp.sum(jnp.where(mb_valid, out["accuracy"], 0.0)) / count)
 
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro_step(acc, xs):
+      (loss, acc_part), g = grad_fn(state.params, *xs)
+      return jax.tree.map(jnp.add, acc, (loss, acc_part, g)), None
+
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+    (loss, acc, grads), _ = jax.lax.scan(
+        micro_step, zeros, _split((batch, index, valid), self.micro_batches))
     ok = jnp.isfinite(loss) & (dropped == 0)
     params, opt_state = _update(self.tx, grads, state.opt_state, state.params, ok)
     state = state.replace(params=params, opt_state=opt_state,

@@ -42,6 +42,11 @@ def get_config():
   # default here): bounds the host memory a save takes beyond the state;
   # above the largest array.
   c.checkpoint_write_gb = 96.0
+  # GiB the train step may take (`agentrl_jax.train.memory`): before any
+  # work, each step's estimate at its largest batch must fit, with more
+  # micro-batches than configured where needed; 0: the machine's memory (the
+  # device's, or the host's on a CPU); < 0: no estimate.
+  c.memory_gb = 0.0
   # Episodes for the trajectory viewer (experiments/view.py), written to
   # <workdir>/trajectories.jsonl: every k RL iterations (0: never) up to
   # `per_group` of each group (its best and worst first), and at every
@@ -93,7 +98,11 @@ def get_config():
   # check_every steps, where greedy success on check_tasks training-split
   # tasks after the demos' reaches it: every seed starts RL reading as well.
   # keep_failed: SFT on the expert's unsuccessful episodes too.
+  # micro_batches: the batch split for exact gradient accumulation (more
+  # where the memory budget needs them: memory_gb). SFT lays its rows out
+  # as RL does (rl.buckets, rl.pack, rl.share_prompts).
   c.sft = ml_collections.ConfigDict(dict(num_demos=256, steps=150, batch_size=16,
+                                         micro_batches=1,
                                          stop_at_success=0.0, check_every=25,
                                          check_tasks=32, keep_failed=False))
   c.optim = _section(OptimConfig, learning_rate=1e-3, total_steps=400, b2=0.99)
@@ -160,6 +169,9 @@ def validate(cfg) -> None:
       ("eval_samples", cfg.eval_samples >= 0, "must be >= 0"),
       ("sft.steps", cfg.sft.steps >= 0, "must be >= 0"),
       ("sft.batch_size", cfg.sft.batch_size >= 1, "must be >= 1"),
+      ("sft.micro_batches", cfg.sft.micro_batches >= 1
+       and cfg.sft.batch_size % cfg.sft.micro_batches == 0, "must be >= 1 and divide "
+       f"sft.batch_size ({cfg.sft.batch_size})"),
       ("sft.stop_at_success", 0.0 <= cfg.sft.stop_at_success <= 1.0, "must be in [0, 1]"),
       ("sft.check_every", cfg.sft.check_every >= 1, "must be >= 1"),
       ("sft.check_tasks", cfg.sft.check_tasks >= 1 and (

@@ -69,22 +69,29 @@ def get_config(arg: str = ""):
   c.sampler.cache_length = 1024
   c.sampler.length_buckets = (64, 256, 1024)
   c.sampler.attention_windows = ()
-  c.rl.buckets = (512, 1024)
+  # Tree rows of 1,280 tokens: the 280-token system turn (instructions and
+  # the tools block) once per row, a group's problem once per group, then
+  # its four episodes; SFT's demos share the system turn the same way.
+  c.rl.buckets = (512, 1024, 1280)
+  c.rl.pack = True
+  c.rl.share_prompts = True
+  c.rl.pack_row_multiple = 2
   c.rl.tasks_per_iteration = 8
   c.rl.group_size = 4
-  # Most episodes are far shorter than the longest: rows shared, not padded.
-  c.rl.pack = True
-  c.loss.micro_batches = 4
+  # The step's memory estimate at the worst case (32 rows) picks more
+  # micro-batches where 1 would not fit (memory_gb).
+  c.loss.micro_batches = 1
   c.sft.num_demos = 128
   c.sft.steps = 40
   c.sft.batch_size = 8
   # Fine-tuning a pretrained model: small steps.
   c.optim.learning_rate = 2e-5
   c.optim.total_steps = 40
-  c.rl_optim.learning_rate = 2e-6
-  c.rl_optim.total_steps = 40
-  c.iterations = 20
-  c.eval_every = 10
+  c.rl_optim.learning_rate = 1e-5
+  c.rl_optim.total_steps = 16
+  c.iterations = 16
+  c.eval_every = 16
+  c.eval_samples = 2
   if variant == "smoke":
     _smoke(c)
   elif variant == "accelerator":
@@ -115,5 +122,6 @@ def _accelerator(c):
   c.sampler.num_slots = 512
   c.rl.tasks_per_iteration, c.rl.group_size = 64, 8
   c.loss.micro_batches = 8
+  c.rl.pack_row_multiple = 8
   c.sft.num_demos, c.sft.batch_size = 1024, 64
   c.iterations = 100
