@@ -205,6 +205,9 @@ def test_a_packed_iteration_makes_the_unpacked_update_on_fewer_rows(agg):
   # hold each group's prompt once.
   assert rows["rows"] == 4 and rows["tree"] <= rows["packed"] < rows["rows"], rows
   assert held["tree"] < held["packed"] == held["rows"], held
+  for layout, b in batches.items():
+    assert metrics[layout]["train/row_fill"] == held[layout] / b.tokens.size
+    assert metrics[layout]["train/shared_tokens"] == held["rows"] - held[layout]
   for layout in ("packed", "tree"):
     for key in ("rollout/sampler_fed_tokens", "train/batch_tokens"):
       assert metrics[layout][key] == metrics["rows"][key]

@@ -73,7 +73,7 @@ from agentrl_jax.trajectory import (TokenBatch, Trajectory, bucket_length, colla
 _SUMS = ("rollout/episodes", "rollout/env_steps", "rollout/branch_episodes",
          "rollout/sampler_fed_tokens", "rollout/branch_forked", "rollout/branch_fed_tokens",
          "rollout/branch_generated_tokens", "rollout/dropped_groups",
-         "rollout/carried_episodes", "train/batch_tokens",
+         "rollout/carried_episodes", "train/batch_tokens", "train/shared_tokens",
          *(f"rollout/ended/{r}" for r in STOP_REASONS))
 _MAXIMA = ("rollout/turns_max", "rollout/staleness_max", "rollout/env_wait_s",
            "rollout/generation_s", "rollout/branch_generation_s", "rollout/env_call_max_s",
@@ -527,10 +527,15 @@ class RLTrainer:
       metrics["rollout/variance_kept_frac"] = kept / max(len(trajs), 1)
       rows, = distributed.agree_max([int(np.sum(batch.seq_ids.max(axis=1) >= 0))])
       batch = _pad_rows(batch, base * -(-max(int(rows), 1) // base))
+    episode_tokens = int(np.sum(batch.seq_ids >= 0))
     if cfg.pack:
       batch = self._packed(batch)
       most_actions = self._most_in_loss(batch)
       length = batch.tokens.shape[1]  # tree rows are the largest bucket's
+    held = int(np.sum((batch.seq_ids >= 0) | (batch.prefix_ids >= 0)))
+    # How much of the step's rows is tokens, and what shared prompts saved.
+    metrics["train/row_fill"] = held / batch.tokens.size
+    metrics["train/shared_tokens"] = float(episode_tokens - held)
     metrics["train/batch_tokens"] = float(batch.loss_mask.sum())
     metrics["train/rows"] = float(batch.tokens.shape[0] * jax.process_count())
     metrics["train/row_length"] = float(batch.tokens.shape[1])
