@@ -70,11 +70,12 @@ def tree_gib(tree) -> float:
 
 
 def memory_budget_gib(memory_gb: float = 0.0) -> float:
-  """`memory_gb` when > 0; else the first device's memory limit where the
-  backend reports one (GPU, TPU), else the host's physical memory."""
+  """`memory_gb` when > 0; else the first local device's memory limit where
+  the backend reports one (GPU, TPU), else the host's physical memory (only a
+  process's own devices report their memory)."""
   if memory_gb > 0:
     return float(memory_gb)
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   if stats.get("bytes_limit"):
     return stats["bytes_limit"] / GIB
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB

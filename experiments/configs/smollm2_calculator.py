@@ -16,8 +16,8 @@ expert's tool calls, then GRPO with full fine-tuning.
 The string after ':' is a GGUF path (default: the installed package's
 file), optionally followed by `,smoke` (the whole run at the smallest size,
 which the test suite runs on a tiny GGUF) or `,accelerator` (a bigger batch
-and overlapping tool calls, for a GPU or TPU). Not yet measured on the real
-model (docs/results.md will hold its runs), so it states no expected result.
+and overlapping tool calls, for a GPU or TPU; not yet run). Its seed-0
+result on a CPU is the README's table (history: docs/results.md).
 """
 
 import importlib.util
