@@ -334,6 +334,50 @@ def test_an_isolated_run_records_the_policy_version_it_is_given(tok, sampler):
   assert carried.metadata["policy_versions"] == [2] * 4
 
 
+def test_prompts_sharing_a_prefix_compute_it_once(tok, model):
+  """The system turn shared by every prompt is computed once and forked into
+  each slot: the episodes are those of prompts computed whole, with fewer
+  tokens fed; the kept prefix is never reused under other weights."""
+  sampler = Sampler(model, num_slots=4, cache_length=256, max_decode_length=16,
+                    length_buckets=(16, 32, 64))
+  other = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(2))
+
+  def engine(share):
+    return RolloutEngine(CountdownEnv, tok, T.CHATML, sampler, RolloutConfig(
+        max_turns=2, max_action_tokens=8, lockstep=True, min_shared_prefix=share,
+        system_prompt="Say anything at all, in as few words as you like. " * 3))
+
+  def run(share, tasks, group_size, on=None):
+    return (on or engine(share)).run(tasks, group_size=group_size, temperature=0.0)
+
+  def same(a, b):
+    assert [[s.token_ids for s in t.segments] for t in a.trajectories] == [
+        [s.token_ids for s in t.segments] for t in b.trajectories]
+    for ta, tb in zip(a.trajectories, b.trajectories):
+      for sa, sb in zip(ta.segments, tb.segments):
+        if sa.logprobs is not None:
+          np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-5)
+
+  # 6 episodes on 4 slots: 4 prompts share the prefix, 2 later ones reuse it.
+  tasks = _tasks(3, steps=(2,))
+  whole, shared = run(0, tasks, 2), run(32, tasks, 2)
+  same(whole, shared)
+  prompts = [t.segments[0].token_ids for t in whole.trajectories]
+  n = next(i for i in range(len(prompts[0])) if len({p[i] for p in prompts}) > 1)
+  assert n >= 32
+  assert whole.metrics["sampler_fed_tokens"] - shared.metrics["sampler_fed_tokens"] == 5 * n
+  _assert_rescored(model, collate(shared.trajectories, buckets=(256,)))
+  # Identical prompts (one task's group): all but each one's last token.
+  same(run(0, tasks[:1], 4), run(32, tasks[:1], 4))
+  # New weights: the prefix kept under the old ones goes; the episodes are
+  # the new weights' own.
+  kept = engine(32)
+  run(32, tasks, 2, on=kept)
+  sampler.update_params(other)
+  same(run(0, tasks, 2), run(32, tasks, 2, on=kept))
+  sampler.update_params(model)
+
+
 @pytest.fixture(scope="module")
 def long_sampler(model):
   return Sampler(model, num_slots=4, cache_length=512, max_decode_length=12,
@@ -444,8 +488,9 @@ def test_branch_replays_the_prefix_and_samples_on(tok, model, sampler):
 
 def test_branches_fork_the_kept_cache_and_compute_only_new_tokens(tok, model, sampler):
   # 6 episodes on 4 slots: finished episodes' slots are reused during the
-  # run, so a continuation can only fork from the kept snapshot.
-  cfg = RolloutConfig(max_turns=4, max_action_tokens=8)
+  # run, so a continuation can only fork from the kept snapshot. (No
+  # shared prompt prefix: the tokens fed count the forks' savings alone.)
+  cfg = RolloutConfig(max_turns=4, max_action_tokens=8, min_shared_prefix=0)
   tasks = _tasks(3, steps=(5,))
   points = lambda trajs: [(tasks[i // 2], trajs[i], t) for i in (0, 3, 5) for t in (0, 1, 3)]
   prefixes = lambda trajs: [sum(len(s) for s in trajs[i].segments[:1 + 2 * t])

@@ -45,6 +45,11 @@ class RolloutConfig:
   # refused ("error": the call raises, naming them).
   min_action_tokens: int = 1
   long_prompts: str = "drop"
+  # Prompts fed together that begin with at least this many equal tokens
+  # (every task's system turn and tools block) compute that prefix once and
+  # copy its keys and values into each slot; later prompts that begin with
+  # it reuse it until the weights change. 0: every prompt is computed whole.
+  min_shared_prefix: int = 32
 
   def __post_init__(self):
     check_fields(self, [
@@ -54,5 +59,6 @@ class RolloutConfig:
         ("context_window", self.context_window is None or self.context_window >= 1,
          "must be None or >= 1"),
         ("min_action_tokens", self.min_action_tokens >= 1, "must be >= 1"),
+        ("min_shared_prefix", self.min_shared_prefix >= 0, "must be >= 0"),
         ("long_prompts", self.long_prompts in ("drop", "error"), "must be 'drop' or 'error'"),
     ])

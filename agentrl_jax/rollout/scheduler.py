@@ -30,14 +30,14 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
 from agentrl_jax import env_calls
 from agentrl_jax.rollout.config import RolloutConfig
-from agentrl_jax.rollout.episode import Action, EnvCall, Episode
+from agentrl_jax.rollout.episode import Action, EnvCall, Episode, Feed
 from agentrl_jax.rollout.stats import RunStats
 from agentrl_jax.sampling import Sampler, StopMatcher
 
@@ -52,6 +52,8 @@ class SlotScheduler:
     self.free = list(range(sampler.num_slots)) if sampler is not None else []
     self.calls = env_calls.EnvCaller(config.env_workers)
     self._ticks = itertools.count()  # across calls: carried episodes keep their place
+    # (sampler.params_version, tokens, SlotSnapshot): the shared prompt prefix.
+    self._prefix: tuple[int, tuple[int, ...], Any] | None = None
 
   def reseed(self, seed: int | None) -> None:
     """Restarts the sampler's random stream (None: it goes on)."""
@@ -173,6 +175,7 @@ class SlotScheduler:
               temperature: float) -> list[Action]:
     """Feeds the episodes' pending tokens, then samples their actions in one call."""
     sampler, cfg = self.sampler, self.config
+    self._share_prefix([ep for ep in ready if ep.pending.prefill], stats)
     for prefill in (True, False):
       feed = [ep for ep in ready if ep.pending.prefill == prefill]
       for ep in feed:
@@ -200,6 +203,34 @@ class SlotScheduler:
                         action.sampled_logprobs))
     return out
 
+  def _share_prefix(self, feed: list[Episode], stats: RunStats) -> None:
+    """Turns the prefills of `feed` that begin with the shared prompt prefix
+    into a copy of its cached keys and values (`Sampler.fork`) plus an
+    extend by the rest. The prefix kept is reused while every prompt fed
+    begins with it; otherwise, where two or more prompts agree on at least
+    `min_shared_prefix` leading tokens, their common prefix is computed
+    once in the first one's slot and kept instead. At least one token of
+    each prompt is left to extend: it gives the next-token logits."""
+    if not feed or not self.config.min_shared_prefix:
+      return
+    lists = [ep.pending.tokens for ep in feed]
+    version = self.sampler.params_version
+    if self._prefix is not None and self._prefix[0] != version:
+      self._prefix = None  # keys and values of other weights
+    starts = lambda t: (self._prefix is not None and len(t) > len(self._prefix[1])
+                        and tuple(t[:len(self._prefix[1])]) == self._prefix[1])
+    if not all(map(starts, lists)) and len(lists) > 1:
+      n = min(_common_prefix(lists), min(map(len, lists)) - 1)
+      if n >= self.config.min_shared_prefix:
+        slot, prefix = feed[0].slot, tuple(lists[0][:n])
+        self.state = self.sampler.prefill(self.state, [slot], [prefix])
+        stats.fed_tokens += n
+        self._prefix = (version, prefix, self.sampler.snapshot(self.state, slot, n))
+    for ep in feed:
+      if starts(ep.pending.tokens):
+        n = len(self._prefix[1])
+        ep.pending = Feed(ep.pending.tokens[n:], prefill=False, fork=(self._prefix[2], n))
+
   def _submit(self, ep: Episode, call: EnvCall) -> cf.Future:
     """Submits an env call of `ep` under its deadline."""
     deadline = getattr(ep.env, "deadline_s", None) or self.config.env_deadline_s
@@ -211,6 +242,15 @@ class SlotScheduler:
       self.free.append(ep.slot)
     ep.slot = None
     self._submit(ep, EnvCall(ep.env.close))  # not waited for; a hung close is abandoned
+
+
+def _common_prefix(lists: list[list[int]]) -> int:
+  """How many leading tokens every list shares."""
+  n = min(map(len, lists))
+  for i in range(n):
+    if any(t[i] != lists[0][i] for t in lists):
+      return i
+  return n
 
 
 def _ready(running: list[Episode]) -> list[Episode]:
