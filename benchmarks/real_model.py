@@ -40,7 +40,9 @@ tiny random Llama pair (`common.llama_pair`) and the bundled tokenizer.
    SFT): one `RLTrainer.iteration` (rollout with
    its generation and environment-wait seconds, the train step) and one
    greedy `rl.evaluate` on the held-out tasks; the first calls' compilation
-   is included, and its seconds shown.
+   is included, and its seconds shown. Then the same evaluation with every
+   prompt computed whole (`rollout.min_shared_prefix=0`): what computing
+   the shared system turn once saves (compiling aside).
 
 The last line is `decode_vs_hf=X step_vs_torch=Y` (X the lowest over the
 batch sizes; a part not run gives nan).
@@ -268,6 +270,18 @@ def iteration_split(cfg) -> dict[str, float]:
     t0, c0 = time.perf_counter(), compiling[0]
     success = rl.evaluate(engine, eval_tasks)["success"]
     out.update(evaluation=time.perf_counter() - t0, evaluation_compile=compiling[0] - c0)
+    # The baseline: the same evaluation (sampler, weights, compiled
+    # programs) with every prompt computed whole.
+    whole = RolloutEngine(engine.env_factory, engine.tok, engine.fmt, engine.sampler,
+                          dataclasses.replace(engine.config, min_shared_prefix=0),
+                          seed=cfg.seed)
+    t0, c0 = time.perf_counter(), compiling[0]
+    try:
+      success_whole = rl.evaluate(whole, eval_tasks)["success"]
+    finally:
+      whole.close()
+    out.update(evaluation_whole=time.perf_counter() - t0,
+               evaluation_whole_compile=compiling[0] - c0, success_whole=success_whole)
   finally:
     trainer.close()
     engine.close()
@@ -331,6 +345,12 @@ def report_iteration(args) -> None:
   print(f"    the rest            {rest:8.1f} s  (rendering, credit, batching, weight sync)")
   print(f"  evaluation  {s['evaluation']:8.1f} s  (compiling {s['evaluation_compile']:.1f} "
         f"s; {s['eval_tasks']} held-out tasks, greedy: success {s['success']:.2f})")
+  speedup = ((s["evaluation_whole"] - s["evaluation_whole_compile"])
+             / (s["evaluation"] - s["evaluation_compile"]))
+  print(f"  the same, each prompt computed whole (rollout.min_shared_prefix=0): "
+        f"{s['evaluation_whole']:.1f} s (compiling {s['evaluation_whole_compile']:.1f} s; "
+        f"success {s['success_whole']:.2f}); compiling aside, the shared prefix's "
+        f"speed-up: {speedup:.2f}x")
 
 
 def main():
