@@ -337,7 +337,8 @@ def test_an_isolated_run_records_the_policy_version_it_is_given(tok, sampler):
 def test_prompts_sharing_a_prefix_compute_it_once(tok, model):
   """The system turn shared by every prompt is computed once and forked into
   each slot: the episodes are those of prompts computed whole, with fewer
-  tokens fed; the kept prefix is never reused under other weights."""
+  tokens fed; a prefix kept by one call is not reused by the next (its
+  weights may have changed)."""
   sampler = Sampler(model, num_slots=4, cache_length=256, max_decode_length=16,
                     length_buckets=(16, 32, 64))
   other = models.Decoder(models.tiny_config("llama"), rngs=nnx.Rngs(2))
@@ -369,8 +370,8 @@ def test_prompts_sharing_a_prefix_compute_it_once(tok, model):
   _assert_rescored(model, collate(shared.trajectories, buckets=(256,)))
   # Identical prompts (one task's group): all but each one's last token.
   same(run(0, tasks[:1], 4), run(32, tasks[:1], 4))
-  # New weights: the prefix kept under the old ones goes; the episodes are
-  # the new weights' own.
+  # New weights between two calls of one engine: the second call's
+  # episodes are the new weights' own.
   kept = engine(32)
   run(32, tasks, 2, on=kept)
   sampler.update_params(other)

@@ -47,8 +47,8 @@ class RolloutConfig:
   long_prompts: str = "drop"
   # Prompts fed together that begin with at least this many equal tokens
   # (every task's system turn and tools block) compute that prefix once and
-  # copy its keys and values into each slot; later prompts that begin with
-  # it reuse it until the weights change. 0: every prompt is computed whole.
+  # copy its keys and values into each slot; later prompts of the same
+  # rollout call that begin with it reuse it. 0: every prompt computed whole.
   min_shared_prefix: int = 32
 
   def __post_init__(self):

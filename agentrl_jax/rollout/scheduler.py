@@ -52,8 +52,8 @@ class SlotScheduler:
     self.free = list(range(sampler.num_slots)) if sampler is not None else []
     self.calls = env_calls.EnvCaller(config.env_workers)
     self._ticks = itertools.count()  # across calls: carried episodes keep their place
-    # (sampler.params_version, tokens, SlotSnapshot): the shared prompt prefix.
-    self._prefix: tuple[int, tuple[int, ...], Any] | None = None
+    # (tokens, SlotSnapshot): the prompt prefix shared in this `run` call.
+    self._prefix: tuple[tuple[int, ...], Any] | None = None
 
   def reseed(self, seed: int | None) -> None:
     """Restarts the sampler's random stream (None: it goes on)."""
@@ -68,6 +68,10 @@ class SlotScheduler:
     finish, or, past `token_budget` generated tokens, until the env calls in
     flight are back. Expert episodes act without slots. `on_finished` sees
     each finished episode before its slot is freed. Returns them all."""
+    # A prefix kept by an earlier call may hold other weights' keys, and
+    # which one a prompt reuses must not depend on earlier calls: a resumed
+    # run repeats the calls after its checkpoint, bit for bit.
+    self._prefix = None
     waiting = collections.deque(ep for ep in episodes if ep.slot is None)
     running = [ep for ep in episodes if ep.slot is not None]
     in_flight: dict[cf.Future, Episode] = {}
@@ -206,30 +210,28 @@ class SlotScheduler:
   def _share_prefix(self, feed: list[Episode], stats: RunStats) -> None:
     """Turns the prefills of `feed` that begin with the shared prompt prefix
     into a copy of its cached keys and values (`Sampler.fork`) plus an
-    extend by the rest. The prefix kept is reused while every prompt fed
-    begins with it; otherwise, where two or more prompts agree on at least
-    `min_shared_prefix` leading tokens, their common prefix is computed
-    once in the first one's slot and kept instead. At least one token of
-    each prompt is left to extend: it gives the next-token logits."""
+    extend by the rest. The prefix kept (for the rest of the `run` call) is
+    reused while every prompt fed begins with it; otherwise, where two or
+    more prompts agree on at least `min_shared_prefix` leading tokens, their
+    common prefix is computed once in the first one's slot and kept
+    instead. At least one token of each prompt is left to extend: it gives
+    the next-token logits."""
     if not feed or not self.config.min_shared_prefix:
       return
     lists = [ep.pending.tokens for ep in feed]
-    version = self.sampler.params_version
-    if self._prefix is not None and self._prefix[0] != version:
-      self._prefix = None  # keys and values of other weights
-    starts = lambda t: (self._prefix is not None and len(t) > len(self._prefix[1])
-                        and tuple(t[:len(self._prefix[1])]) == self._prefix[1])
+    starts = lambda t: (self._prefix is not None and len(t) > len(self._prefix[0])
+                        and tuple(t[:len(self._prefix[0])]) == self._prefix[0])
     if not all(map(starts, lists)) and len(lists) > 1:
       n = min(_common_prefix(lists), min(map(len, lists)) - 1)
       if n >= self.config.min_shared_prefix:
         slot, prefix = feed[0].slot, tuple(lists[0][:n])
         self.state = self.sampler.prefill(self.state, [slot], [prefix])
         stats.fed_tokens += n
-        self._prefix = (version, prefix, self.sampler.snapshot(self.state, slot, n))
+        self._prefix = (prefix, self.sampler.snapshot(self.state, slot, n))
     for ep in feed:
       if starts(ep.pending.tokens):
-        n = len(self._prefix[1])
-        ep.pending = Feed(ep.pending.tokens[n:], prefill=False, fork=(self._prefix[2], n))
+        n = len(self._prefix[0])
+        ep.pending = Feed(ep.pending.tokens[n:], prefill=False, fork=(self._prefix[1], n))
 
   def _submit(self, ep: Episode, call: EnvCall) -> cf.Future:
     """Submits an env call of `ep` under its deadline."""

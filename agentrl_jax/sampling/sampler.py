@@ -141,7 +141,6 @@ class Sampler:
     # any stop set that fits runs in the same compiled decode.
     self.max_stop_states, self.max_stop_classes = max_stop_states, max_stop_classes
     self.compile_counts: collections.Counter = collections.Counter()
-    self.params_version = -1  # weights assigned so far, minus one
     if mesh is None:
       self.params, self._param_sharding, self._init_jit = params, None, None
       extend_shardings = decode_shardings = fork_shardings = {}
@@ -166,18 +165,6 @@ class Sampler:
                                static_argnums=(6,), **decode_shardings)
     self._snapshot_jit = jax.jit(_snapshot_impl, static_argnums=(2,))
     self._fork_jit = jax.jit(_fork_impl, donate_argnums=(0,), **fork_shardings)
-
-  @property
-  def params(self):
-    """The weights decodes sample with (None after `drop_params`)."""
-    return self._params
-
-  @params.setter
-  def params(self, value) -> None:
-    self._params = value
-    # Keys and values cached under other weights go stale: whoever keeps
-    # them (the scheduler's shared prompt prefix) compares this count.
-    self.params_version += 1
 
   @property
   def policy_temperature(self) -> float:
